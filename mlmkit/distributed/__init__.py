@@ -1,0 +1,15 @@
+"""Process groups built from a Topology, traced collectives, and a multi-process launcher."""
+
+from mlmkit.distributed.comm_group import CommGroup
+from mlmkit.distributed.launch import RankFailure, RankTimeout, find_free_port, run_ranks
+from mlmkit.distributed.process_groups import (
+    ProcessGroups,
+    default_backend,
+    default_device,
+    init_distributed,
+)
+
+__all__ = [
+    "CommGroup", "ProcessGroups", "RankFailure", "RankTimeout", "default_backend", "default_device",
+    "find_free_port", "init_distributed", "run_ranks",
+]

@@ -1,0 +1,132 @@
+"""One process group along one axis of the grid, whose collectives report to a tracer.
+
+Every collective mlmkit issues goes through a :class:`CommGroup`, so that the operation, the axis,
+the peer ranks and the bytes are recorded where they happen, not estimated afterwards. A group of
+size 1 performs no communication and records nothing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from mlmkit.trace import ring_wire_bytes
+
+if TYPE_CHECKING:
+    from mlmkit.trace import Tracer
+
+__all__ = ["CommGroup"]
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class CommGroup:
+    """A process group along ``axis`` containing ``ranks`` (global ranks, in group order).
+
+    Args:
+        axis: ``"tp"``, ``"dp"``, ``"pp"``, ``"embedding"`` or ``"world"``.
+        ranks: the global ranks of the group; this rank's position in it is :attr:`rank`.
+        global_rank: this process's global rank.
+        pg: the torch process group (``None`` for a group of size 1).
+        tracer: where collectives are recorded (``None``: not recorded).
+    """
+
+    def __init__(self, *, axis: str, ranks: Sequence[int], global_rank: int,
+                 pg: Optional[dist.ProcessGroup], tracer: Optional["Tracer"] = None):
+        if global_rank not in ranks:
+            raise ValueError(f"CommGroup({axis}): rank {global_rank} is not in {list(ranks)}")
+        self.axis = axis
+        self.ranks = tuple(ranks)
+        self.global_rank = global_rank
+        self.pg = pg
+        self.tracer = tracer
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def rank(self) -> int:
+        """This process's index within the group."""
+        return self.ranks.index(self.global_rank)
+
+    def __repr__(self) -> str:
+        return f"CommGroup({self.axis}, ranks={list(self.ranks)}, me={self.global_rank})"
+
+    # ------------------------------------------------------------- tracing
+    def _record(self, op: str, nbytes: int, start: float, site: str, peers=None, wire=None) -> None:
+        tr = self.tracer
+        if tr is None or not tr.enabled:
+            return
+        tr.record_comm(
+            op=op, axis=self.axis, ranks=tuple(peers) if peers is not None else self.ranks,
+            nbytes=nbytes,
+            wire_bytes=ring_wire_bytes(op, nbytes, self.size) if wire is None else wire,
+            start=start, end=tr.clock(), site=site,
+        )
+
+    def _now(self) -> float:
+        return self.tracer.clock() if self.tracer is not None else 0.0
+
+    # ---------------------------------------------------------- collectives
+    def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum", site: str = "") -> torch.Tensor:
+        """In-place all-reduce of ``tensor`` (``op``: "sum", "max" or "min"); returns it."""
+        if self.size == 1:
+            return tensor
+        start = self._now()
+        dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self.pg)
+        self._record("all_reduce", _nbytes(tensor), start, site)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, *, dim: int = 0, site: str = "") -> torch.Tensor:
+        """Concatenate every rank's ``tensor`` along ``dim`` (group order)."""
+        if self.size == 1:
+            return tensor
+        start = self._now()
+        dim = dim % tensor.dim()
+        src = tensor.movedim(dim, 0).contiguous() if dim != 0 else tensor.contiguous()
+        out = torch.empty((src.shape[0] * self.size, *src.shape[1:]), dtype=src.dtype, device=src.device)
+        _all_gather_single(out, src, group=self.pg)
+        out = out.movedim(0, dim) if dim != 0 else out
+        self._record("all_gather", _nbytes(out), start, site)
+        return out.contiguous()
+
+    def reduce_scatter(self, tensor: torch.Tensor, *, dim: int = 0, site: str = "") -> torch.Tensor:
+        """Sum ``tensor`` over the group and keep this rank's slice along ``dim``."""
+        if self.size == 1:
+            return tensor
+        start = self._now()
+        dim = dim % tensor.dim()
+        if tensor.shape[dim] % self.size:
+            raise ValueError(
+                f"reduce_scatter on {self.axis}: dimension {dim} of shape {tuple(tensor.shape)} "
+                f"is not divisible by the group size {self.size}"
+            )
+        src = tensor.movedim(dim, 0).contiguous() if dim != 0 else tensor.contiguous()
+        out = torch.empty((src.shape[0] // self.size, *src.shape[1:]), dtype=src.dtype, device=src.device)
+        _reduce_scatter_single(out, src, group=self.pg)
+        self._record("reduce_scatter", _nbytes(tensor), start, site)
+        return (out.movedim(0, dim) if dim != 0 else out).contiguous()
+
+    def broadcast(self, tensor: torch.Tensor, *, src: int = 0, site: str = "") -> torch.Tensor:
+        """In place: every rank gets the tensor of group member ``src`` (an index in the group)."""
+        if self.size == 1:
+            return tensor
+        start = self._now()
+        dist.broadcast(tensor, src=self.ranks[src], group=self.pg)
+        self._record("broadcast", _nbytes(tensor), start, site,
+                     wire=_nbytes(tensor) if self.rank == src else 0)
+        return tensor
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier(group=self.pg)

@@ -1,0 +1,241 @@
+"""Run a function on N real processes joined by torch.distributed, and collect each rank's result.
+
+This is the harness behind mlmkit's tests and benchmarks (and a handy tool in scripts)::
+
+    def work(rank, world_size, n):
+        x = torch.full((n,), float(rank))
+        torch.distributed.all_reduce(x)
+        return x
+
+    results = run_ranks(work, world_size=4, args=(3,))   # [tensor([6., 6., 6.]), ...] per rank
+
+Guarantees:
+- a rank that raises makes :func:`run_ranks` raise :class:`RankFailure` naming that rank with its
+  remote traceback; the other ranks are killed at once (they may be blocked in a collective, where
+  no signal but SIGKILL reaches them);
+- a rank that exits without a result (crash, ``os._exit``, killed) is reported the same way;
+- nothing waits longer than ``timeout_s``: ranks still running then are sent SIGUSR1 (each dumps its
+  Python stack), then killed, and :class:`RankTimeout` lists them with where they were stuck.
+
+Processes come from a ``forkserver`` that has imported torch once, so starting 8 ranks costs well
+under a second after the first call. ``fn`` must be importable (a module-level function).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import os
+import pickle
+import queue as queue_mod
+import signal
+import socket
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Optional, Sequence
+
+__all__ = ["RankFailure", "RankTimeout", "find_free_port", "run_ranks"]
+
+
+class RankFailure(RuntimeError):
+    """A rank raised or died. ``rank`` is the first rank that failed; ``remote_traceback`` its text."""
+
+    def __init__(self, rank: int, remote_traceback: str, *, exitcode: Optional[int] = None):
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+        self.exitcode = exitcode
+        self.others: dict[int, str] = {}  # later failures of other ranks (usually consequences)
+        super().__init__(f"rank {rank} failed:\n{remote_traceback}")
+
+
+class RankTimeout(RuntimeError):
+    """Ranks were still running at the deadline; ``ranks`` lists them, ``stacks`` where they were."""
+
+    def __init__(self, ranks: Sequence[int], timeout_s: float, stacks: dict[int, str]):
+        self.ranks = list(ranks)
+        self.stacks = stacks
+        detail = "\n".join(f"--- rank {r} was at:\n{stacks.get(r, '(no stack dumped)')}" for r in self.ranks)
+        super().__init__(
+            f"ranks {self.ranks} did not finish within {timeout_s:g} s and were killed "
+            f"(a collective or recv without its peer?).\n{detail}"
+        )
+
+
+def find_free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwargs: dict,
+            results, threads: int, backend: Optional[str], collective_timeout_s: float,
+            stack_file: str) -> None:
+    # Runs in the child. Report exactly one message: ("ok", pickled result) or ("error", traceback).
+    with open(stack_file, "w") as stack_out:
+        faulthandler.register(signal.SIGUSR1, file=stack_out, all_threads=False)
+        try:
+            import torch
+            import torch.distributed as dist
+
+            from mlmkit.distributed.process_groups import init_distributed
+
+            torch.set_num_threads(threads)
+            os.environ["LOCAL_RANK"] = str(rank)
+            init_distributed(rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}",
+                             backend=backend, timeout_s=collective_timeout_s)
+            try:
+                result = fn(rank, world_size, *args, **kwargs)
+            except BaseException:  # noqa: BLE001 - everything is reported to the parent
+                # Report before tearing the group down: the teardown makes peers fail too, and the
+                # parent must hear the cause first (it also orders failures by time).
+                results.put((rank, "error", (time.time(), traceback.format_exc())))
+                return
+            dist.destroy_process_group()
+            results.put((rank, "ok", pickle.dumps(result)))
+        except BaseException:  # noqa: BLE001
+            results.put((rank, "error", (time.time(), traceback.format_exc())))
+
+
+_CTX = None
+
+
+def _context():
+    global _CTX  # a process-level cache of the forkserver context, not state anyone reads
+    if _CTX is None:
+        method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+        _CTX = mp.get_context(method)
+        if method == "forkserver":
+            _CTX.set_forkserver_preload(["torch", "torch.distributed", "mlmkit.distributed.launch"])
+    return _CTX
+
+
+def run_ranks(fn: Callable[..., Any], *, world_size: int, args: tuple = (), kwargs: Optional[dict] = None,
+              timeout_s: float = 120.0, collective_timeout_s: Optional[float] = None, threads: int = 1,
+              backend: Optional[str] = None, port_retries: int = 3) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes; return results by rank.
+
+    Args:
+        fn: a module-level function (it is pickled by name).
+        world_size: number of processes (ranks 0..world_size-1), on 127.0.0.1.
+        timeout_s: bound on the whole run; ranks still running then are killed (RankTimeout).
+        collective_timeout_s: torch.distributed timeout of the default group (default: timeout_s).
+        threads: ``torch.set_num_threads`` in each rank (keep 1 when ranks share few cores).
+        backend: "gloo" or "nccl" (default: nccl when CUDA exists, else gloo).
+        port_retries: new ports to try when the rendezvous port was taken meanwhile.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"run_ranks: world_size={world_size!r} must be an integer >= 1")
+    kwargs = kwargs or {}
+    for attempt in range(port_retries + 1):
+        try:
+            return _run_once(fn, world_size, args, kwargs, timeout_s,
+                             collective_timeout_s or timeout_s, threads, backend)
+        except RankFailure as err:
+            if attempt < port_retries and "address already in use" in err.remote_traceback.lower():
+                continue
+            raise
+    raise AssertionError("unreachable")
+
+
+def _run_once(fn, world_size, args, kwargs, timeout_s, collective_timeout_s, threads, backend):
+    ctx = _context()
+    port = find_free_port()
+    results = ctx.Queue()
+    stack_dir = tempfile.mkdtemp(prefix="mlmkit-ranks-")
+    stack_files = [os.path.join(stack_dir, f"rank{r}.stack") for r in range(world_size)]
+    procs = []
+    for rank in range(world_size):
+        p = ctx.Process(target=_worker, name=f"mlmkit-rank{rank}", daemon=True,
+                        args=(rank, world_size, port, fn, args, kwargs, results, threads, backend,
+                              collective_timeout_s, stack_files[rank]))
+        p.start()
+        procs.append(p)
+
+    done: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(done) < world_size:
+            try:
+                rank, status, payload = results.get(timeout=0.05)
+            except queue_mod.Empty:
+                rank = None
+            if rank is not None:
+                if status == "error":
+                    _raise_first_failure({rank: payload}, results)
+                done[rank] = pickle.loads(payload)
+                continue
+            for r, p in enumerate(procs):
+                if r not in done and p.exitcode is not None:
+                    # Give a message that may still be in flight a moment to arrive.
+                    try:
+                        rank, status, payload = results.get(timeout=0.5)
+                    except queue_mod.Empty:
+                        raise RankFailure(
+                            r, f"process exited with code {p.exitcode} without a result "
+                               f"(killed, crashed or called os._exit)", exitcode=p.exitcode) from None
+                    if status == "error":
+                        _raise_first_failure({rank: payload}, results)
+                    done[rank] = pickle.loads(payload)
+                    break
+            if time.monotonic() > deadline:
+                stuck = [r for r in range(world_size) if r not in done]
+                stacks = _dump_stacks(procs, stuck, stack_files)
+                raise RankTimeout(stuck, timeout_s, stacks)
+        return [done[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=5)
+        results.close()
+        for f in stack_files:
+            try:
+                os.remove(f)
+            except OSError:
+                pass
+        try:
+            os.rmdir(stack_dir)
+        except OSError:
+            pass
+
+
+def _raise_first_failure(errors: dict, results, grace_s: float = 0.3) -> None:
+    """Wait ``grace_s`` for more failures, then raise for the one that happened first.
+
+    A rank that raises makes its peers fail too (their collective loses its partner); the earliest
+    exception is the cause, the rest are consequences, kept in ``RankFailure.others``.
+    """
+    end = time.monotonic() + grace_s
+    while time.monotonic() < end:
+        try:
+            rank, status, payload = results.get(timeout=max(0.0, end - time.monotonic()))
+        except queue_mod.Empty:
+            break
+        if status == "error":
+            errors[rank] = payload
+    first = min(errors, key=lambda r: (errors[r][0], r))
+    err = RankFailure(first, errors[first][1])
+    err.others = {r: tb for r, (_, tb) in errors.items() if r != first}
+    raise err
+
+
+def _dump_stacks(procs, ranks, stack_files) -> dict[int, str]:
+    for r in ranks:
+        if procs[r].is_alive():
+            try:
+                os.kill(procs[r].pid, signal.SIGUSR1)
+            except OSError:
+                pass
+    time.sleep(0.3)
+    stacks = {}
+    for r in ranks:
+        try:
+            with open(stack_files[r]) as f:
+                stacks[r] = f.read().strip()
+        except OSError:
+            stacks[r] = ""
+    return stacks
+

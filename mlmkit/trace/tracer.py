@@ -1,0 +1,76 @@
+"""The per-rank recorder behind every traced collective and schedule action."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+__all__ = ["COMM_COLUMNS", "EVENT_COLUMNS", "Tracer", "ring_wire_bytes"]
+
+#: Columns of :meth:`Tracer.comm_frame`. ``bytes`` is the size of the logical tensor the operation
+#: is about (the all-reduced tensor, the gathered output, the reduce-scattered input, the message);
+#: ``wire_bytes`` is what this rank sends with a ring algorithm (see :func:`ring_wire_bytes`).
+COMM_COLUMNS = (
+    "rank", "op", "axis", "ranks", "bytes", "wire_bytes", "start", "end", "site", "phase",
+)
+#: Columns of :meth:`Tracer.event_frame` (schedule actions).
+EVENT_COLUMNS = ("rank", "action", "microbatch", "chunk", "start", "end")
+
+
+def ring_wire_bytes(op: str, nbytes: int, group_size: int) -> int:
+    """Bytes one rank sends for ``op`` on a tensor of ``nbytes`` with a ring algorithm.
+
+    all-reduce: 2(n-1)/n * N (reduce-scatter then all-gather); all-gather and reduce-scatter:
+    (n-1)/n * N where N is the full (gathered) size; point-to-point: N; n == 1: nothing.
+    """
+    n = group_size
+    if op == "send":
+        return nbytes
+    if op == "recv" or n <= 1:
+        return 0
+    if op == "all_reduce":
+        return 2 * (n - 1) * nbytes // n
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) * nbytes // n
+    if op == "broadcast":
+        return nbytes
+    raise ValueError(f"ring_wire_bytes: unknown op {op!r}")
+
+
+class Tracer:
+    """Collects this rank's rows. ``enabled=False`` makes every ``record_*`` a no-op."""
+
+    def __init__(self, *, rank: int, enabled: bool = True, clock: Callable[[], float] = time.perf_counter):
+        self.rank = rank
+        self.enabled = enabled
+        self.clock = clock
+        self.phase = ""  # free label written into comm rows (e.g. "forward"/"backward")
+        self.comm: list[tuple] = []
+        self.events: list[tuple] = []
+
+    def record_comm(self, *, op: str, axis: str, ranks: tuple[int, ...], nbytes: int,
+                    wire_bytes: int, start: float, end: float, site: str) -> None:
+        if self.enabled:
+            self.comm.append((self.rank, op, axis, ranks, nbytes, wire_bytes, start, end, site, self.phase))
+
+    def record_event(self, *, action: str, microbatch: int, chunk: int, start: float, end: float) -> None:
+        if self.enabled:
+            self.events.append((self.rank, action, microbatch, chunk, start, end))
+
+    def clear(self) -> None:
+        self.comm.clear()
+        self.events.clear()
+
+    def comm_frame(self):
+        import pandas as pd
+
+        return pd.DataFrame(self.comm, columns=list(COMM_COLUMNS))
+
+    def event_frame(self):
+        import pandas as pd
+
+        return pd.DataFrame(self.events, columns=list(EVENT_COLUMNS))
+
+    def __repr__(self) -> str:
+        state = "on" if self.enabled else "off"
+        return f"Tracer(rank={self.rank}, {state}, comm={len(self.comm)}, events={len(self.events)})"

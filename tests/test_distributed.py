@@ -1,0 +1,137 @@
+"""The multi-rank harness (errors and hangs never pass silently) and per-rank process groups."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mlmkit import Topology
+from mlmkit.distributed import ProcessGroups, RankFailure, RankTimeout, run_ranks
+from mlmkit.trace import Tracer
+
+
+def _sum_of_ranks(rank, world_size, scale):
+    x = torch.tensor([float(rank) * scale])
+    dist.all_reduce(x)
+    return rank, x.item()
+
+
+def test_results_come_back_by_rank():
+    out = run_ranks(_sum_of_ranks, world_size=4, args=(2.0,), timeout_s=60)
+    assert out == [(r, 2.0 * (0 + 1 + 2 + 3)) for r in range(4)]
+
+
+def _raise_on_rank_2(rank, world_size):
+    if rank == 2:
+        raise KeyError("boom on purpose")
+    x = torch.ones(1)
+    dist.all_reduce(x)  # peers block here: rank 2 never joins
+    return x.item()
+
+
+def test_raising_rank_is_named_and_peers_freed():
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_raise_on_rank_2, world_size=4, timeout_s=60)
+    assert info.value.rank == 2
+    assert "KeyError: 'boom on purpose'" in info.value.remote_traceback
+    assert "_raise_on_rank_2" in info.value.remote_traceback
+    assert time.monotonic() - start < 30  # the blocked peers were killed, not waited for
+
+
+def _hang_on_rank_1(rank, world_size):
+    if rank == 1:
+        time.sleep(3600)
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    return x.item()
+
+
+def test_hung_rank_is_killed_and_reported():
+    start = time.monotonic()
+    with pytest.raises(RankTimeout) as info:
+        run_ranks(_hang_on_rank_1, world_size=3, timeout_s=4, collective_timeout_s=600)
+    assert sorted(info.value.ranks) == [0, 1, 2]
+    assert "_hang_on_rank_1" in info.value.stacks[1]  # where rank 1 was stuck
+    assert time.monotonic() - start < 30
+
+
+def _die_on_rank_0(rank, world_size):
+    if rank == 0:
+        os._exit(7)
+    time.sleep(3600)
+
+
+def test_rank_that_dies_is_reported():
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_die_on_rank_0, world_size=2, timeout_s=30)
+    assert info.value.rank == 0 and info.value.exitcode == 7
+
+
+def test_bad_world_size():
+    with pytest.raises(ValueError, match="world_size=0"):
+        run_ranks(_sum_of_ranks, world_size=0, args=(1.0,))
+
+
+def _groups_and_collectives(rank, world_size, tp, pp, dp):
+    topo = Topology(tp=tp, pp=pp, dp=dp)
+    tracer = Tracer(rank=rank)
+    groups = ProcessGroups.build(topo, tracer=tracer)
+    out = {"coords": tuple(groups.coords)}
+    for axis in ("tp", "dp", "pp", "embedding"):
+        g = getattr(groups, axis)
+        if g is None:
+            out[axis] = None
+            continue
+        x = torch.tensor([float(rank)])
+        g.all_reduce(x, site=f"test.{axis}")
+        out[axis] = (list(g.ranks), x.item())
+    # all-gather / reduce-scatter along a non-leading dim
+    t = torch.full((2, groups.tp.size * 2), float(rank))
+    gathered = groups.tp.all_gather(t, dim=1)
+    scattered = groups.tp.reduce_scatter(gathered, dim=1)
+    out["ag_shape"] = tuple(gathered.shape)
+    out["rs"] = scattered
+    out["comm"] = tracer.comm_frame()
+    return out
+
+
+@pytest.mark.parametrize("tp,pp,dp", [(2, 2, 2), (4, 2, 1), (1, 4, 2)])
+def test_process_groups_match_topology(tp, pp, dp):
+    topo = Topology(tp=tp, pp=pp, dp=dp)
+    results = run_ranks(_groups_and_collectives, world_size=8, args=(tp, pp, dp), timeout_s=120)
+    for rank, res in enumerate(results):
+        assert res["coords"] == tuple(topo.coords(rank))
+        for axis in ("tp", "dp", "pp", "embedding"):
+            expected = topo.group_of(axis, rank)
+            if not expected:
+                assert res[axis] is None
+                continue
+            ranks, total = res[axis]
+            assert ranks == expected
+            assert total == float(sum(expected))
+        assert res["ag_shape"] == (2, tp * 2 * tp)
+        # Every member holds the same gathered tensor; the reduce-scatter sums tp copies of it and
+        # hands back this rank's slice, i.e. tp * (this rank's original values).
+        assert torch.equal(res["rs"], torch.full((2, 2 * tp), float(tp * rank)))
+        comm = res["comm"]
+        # Every multi-rank collective was traced with its axis and bytes; size-1 groups record nothing.
+        ar = comm[comm.op == "all_reduce"]
+        assert set(ar.axis) == {a for a in ("tp", "dp", "pp", "embedding") if len(topo.group_of(a, rank)) > 1}
+        assert (ar.bytes == 4).all()
+
+
+def test_build_without_init_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="not initialised"):
+        ProcessGroups.build(Topology())
+
+
+def _wrong_world(rank, world_size):
+    ProcessGroups.build(Topology(tp=2, pp=2))
+
+
+def test_build_with_wrong_world_size():
+    with pytest.raises(RankFailure, match=r"world size 2 does not match"):
+        run_ranks(_wrong_world, world_size=2, timeout_s=60)
