@@ -63,11 +63,13 @@ class CommGroup:
         return f"CommGroup({self.axis}, ranks={list(self.ranks)}, me={self.global_rank})"
 
     # ------------------------------------------------------------- tracing
-    def _record(self, op: str, nbytes: int, start: float, site: str, peers=None, wire=None) -> None:
+    def _record(self, op: str, nbytes: int, start: float, site: str, peers=None, wire=None,
+                phase: str = "") -> None:
         tr = self.tracer
         if tr is None or not tr.enabled:
             return
         tr.record_comm(
+            phase=phase,
             op=op, axis=self.axis, ranks=tuple(peers) if peers is not None else self.ranks,
             nbytes=nbytes,
             wire_bytes=ring_wire_bytes(op, nbytes, self.size) if wire is None else wire,
@@ -78,16 +80,16 @@ class CommGroup:
         return self.tracer.clock() if self.tracer is not None else 0.0
 
     # ---------------------------------------------------------- collectives
-    def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum", site: str = "") -> torch.Tensor:
+    def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum", site: str = "", phase: str = "") -> torch.Tensor:
         """In-place all-reduce of ``tensor`` (``op``: "sum", "max" or "min"); returns it."""
         if self.size == 1:
             return tensor
         start = self._now()
         dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self.pg)
-        self._record("all_reduce", _nbytes(tensor), start, site)
+        self._record("all_reduce", _nbytes(tensor), start, site, phase=phase)
         return tensor
 
-    def all_gather(self, tensor: torch.Tensor, *, dim: int = 0, site: str = "") -> torch.Tensor:
+    def all_gather(self, tensor: torch.Tensor, *, dim: int = 0, site: str = "", phase: str = "") -> torch.Tensor:
         """Concatenate every rank's ``tensor`` along ``dim`` (group order)."""
         if self.size == 1:
             return tensor
@@ -97,10 +99,10 @@ class CommGroup:
         out = torch.empty((src.shape[0] * self.size, *src.shape[1:]), dtype=src.dtype, device=src.device)
         _all_gather_single(out, src, group=self.pg)
         out = out.movedim(0, dim) if dim != 0 else out
-        self._record("all_gather", _nbytes(out), start, site)
+        self._record("all_gather", _nbytes(out), start, site, phase=phase)
         return out.contiguous()
 
-    def reduce_scatter(self, tensor: torch.Tensor, *, dim: int = 0, site: str = "") -> torch.Tensor:
+    def reduce_scatter(self, tensor: torch.Tensor, *, dim: int = 0, site: str = "", phase: str = "") -> torch.Tensor:
         """Sum ``tensor`` over the group and keep this rank's slice along ``dim``."""
         if self.size == 1:
             return tensor
@@ -114,17 +116,17 @@ class CommGroup:
         src = tensor.movedim(dim, 0).contiguous() if dim != 0 else tensor.contiguous()
         out = torch.empty((src.shape[0] // self.size, *src.shape[1:]), dtype=src.dtype, device=src.device)
         _reduce_scatter_single(out, src, group=self.pg)
-        self._record("reduce_scatter", _nbytes(tensor), start, site)
+        self._record("reduce_scatter", _nbytes(tensor), start, site, phase=phase)
         return (out.movedim(0, dim) if dim != 0 else out).contiguous()
 
-    def broadcast(self, tensor: torch.Tensor, *, src: int = 0, site: str = "") -> torch.Tensor:
+    def broadcast(self, tensor: torch.Tensor, *, src: int = 0, site: str = "", phase: str = "") -> torch.Tensor:
         """In place: every rank gets the tensor of group member ``src`` (an index in the group)."""
         if self.size == 1:
             return tensor
         start = self._now()
         dist.broadcast(tensor, src=self.ranks[src], group=self.pg)
         self._record("broadcast", _nbytes(tensor), start, site,
-                     wire=_nbytes(tensor) if self.rank == src else 0)
+                     wire=_nbytes(tensor) if self.rank == src else 0, phase=phase)
         return tensor
 
     def barrier(self) -> None:

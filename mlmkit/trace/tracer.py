@@ -49,9 +49,10 @@ class Tracer:
         self.events: list[tuple] = []
 
     def record_comm(self, *, op: str, axis: str, ranks: tuple[int, ...], nbytes: int,
-                    wire_bytes: int, start: float, end: float, site: str) -> None:
+                    wire_bytes: int, start: float, end: float, site: str, phase: str = "") -> None:
         if self.enabled:
-            self.comm.append((self.rank, op, axis, ranks, nbytes, wire_bytes, start, end, site, self.phase))
+            self.comm.append((self.rank, op, axis, ranks, nbytes, wire_bytes, start, end, site,
+                              phase or self.phase))
 
     def record_event(self, *, action: str, microbatch: int, chunk: int, start: float, end: float) -> None:
         if self.enabled:

@@ -1,0 +1,335 @@
+"""A GPT built only from mlmkit's tensor-parallel layers; at tp=1 and one stage it is the serial model.
+
+One :class:`GPT` module holds one pipeline *stage* (a contiguous run of layers, plus the embeddings
+on the first stage and final LayerNorm, output head and loss on the last). ``GPT(config)`` is the
+whole serial model. Parameter names use global layer indices (``layers.5.mlp.fc1.weight``) so the
+same name means the same weights in every layout.
+
+Initialisation does not depend on the layout: each full-size weight is drawn from a generator
+seeded by ``(config.seed, parameter name)`` and then sliced for this TP rank, so a tp=4, pp=2 model
+starts as exactly the same function as the serial one.
+
+Shapes (Megatron-LM's layout, sequence first): tokens ``[b, s]``; hidden states ``[s, b, h]``, or
+``[s/t, b, h]`` in sequence-parallel regions; local logits ``[s, b, V/t]``.
+
+References: Radford et al. 2019 (GPT-2 architecture); Shoeybi et al. 2019 (tensor parallelism);
+Korthikanti et al. 2022 (sequence parallelism); Narayanan et al. 2021 (pipeline stages).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mlmkit.distributed import CommGroup
+from mlmkit.model.config import GPTConfig
+from mlmkit.tensor_parallel.comm import copy_to_tp, gather_from_sequence, gather_from_tp
+from mlmkit.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from mlmkit.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    divide,
+    mark_parameter,
+)
+from mlmkit.tensor_parallel.random import TPRandomState, dropout
+
+__all__ = ["GPT", "ParallelAttention", "ParallelMLP", "Stage", "TransformerLayer", "seeded_normal", "split_layers"]
+
+
+def seeded_normal(seed: int, name: str, std: float):
+    """An initialiser: ``shape -> N(0, std^2)`` drawn from a generator seeded by (seed, name)."""
+
+    def init(shape: Sequence[int]) -> torch.Tensor:
+        g = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
+        return torch.randn(*shape, generator=g) * std
+
+    return init
+
+
+def _single_group() -> CommGroup:
+    return CommGroup(axis="tp", ranks=[0], global_rank=0, pg=None)
+
+
+# --------------------------------------------------------------------------------------- stages
+@dataclass(frozen=True, kw_only=True)
+class Stage:
+    """The part of the model one module holds.
+
+    Attributes:
+        layers: global indices of the Transformer layers, contiguous and increasing.
+        pre_process: holds the embeddings (first stage).
+        post_process: holds final LayerNorm, output head and loss (last stage).
+        index: position of this stage in the whole pipeline (virtual stage with interleaving).
+        pp_rank: the pipeline rank that holds it (seeds the dropout streams, as in Megatron-LM).
+    """
+
+    layers: tuple[int, ...]
+    pre_process: bool = True
+    post_process: bool = True
+    index: int = 0
+    pp_rank: int = 0
+
+    @classmethod
+    def whole(cls, config: GPTConfig) -> "Stage":
+        return cls(layers=tuple(range(config.layers)))
+
+
+def split_layers(num_layers: int, num_stages: int,
+                 layers_per_stage: Optional[Sequence[int]] = None) -> list[tuple[int, ...]]:
+    """Global layer indices of each stage: evenly (earlier stages get the remainder) or as listed."""
+    if num_stages > num_layers:
+        raise ValueError(f"{num_stages} stages but only {num_layers} layers: each stage needs at least one layer")
+    if layers_per_stage is None:
+        base, extra = divmod(num_layers, num_stages)
+        layers_per_stage = [base + (1 if i < extra else 0) for i in range(num_stages)]
+    counts = list(layers_per_stage)
+    if len(counts) != num_stages or sum(counts) != num_layers or min(counts) < 1:
+        raise ValueError(
+            f"layers_per_stage={counts} must list {num_stages} positive counts summing to {num_layers}"
+        )
+    out, start = [], 0
+    for n in counts:
+        out.append(tuple(range(start, start + n)))
+        start += n
+    return out
+
+
+# ------------------------------------------------------------------------------------- building blocks
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm whose (replicated) parameters carry mlmkit's sharding metadata."""
+
+    def __init__(self, hidden: int, *, eps: float, sequence_parallel: bool, device=None):
+        super().__init__(hidden, eps=eps, device=device)
+        for p in (self.weight, self.bias):
+            mark_parameter(p, split_dim=None, global_shape=(hidden,), sequence_parallel=sequence_parallel)
+
+
+class ParallelAttention(nn.Module):
+    """Causal self-attention with heads split across TP ranks (Shoeybi et al. 2019, figure 3b).
+
+    forward: ``[s, b, h]`` (``[s/t, b, h]`` with SP) -> QKV column-parallel ``[s, b, 3h/t]`` -> each
+    rank attends with its ``a/t`` heads -> output projection row-parallel -> ``[s, b, h]``
+    (``[s/t, b, h]``). One f/g pair: an all-reduce in backward (QKV input) and one in forward
+    (projection output). The fused QKV weight is laid out per head ``[a, 3, d]`` so that a
+    contiguous split gives each rank whole heads.
+    """
+
+    def __init__(self, config: GPTConfig, *, layer: int, tp: CommGroup, sequence_parallel: bool,
+                 rng: TPRandomState, device=None):
+        super().__init__()
+        h, name = config.hidden, f"layers.{layer}.attn"
+        self.heads_local = divide(config.heads, tp.size, what="heads")
+        self.head_dim, self.dropout_p, self.rng, self.sp = config.head_dim, config.dropout, rng, sequence_parallel
+        out_std = config.init_std / math.sqrt(2 * config.layers)
+        self.qkv = ColumnParallelLinear(h, 3 * h, tp=tp, sequence_parallel=sequence_parallel, site=f"{name}.qkv",
+                                        init=seeded_normal(config.seed, f"{name}.qkv.weight", config.init_std),
+                                        device=device)
+        self.proj = RowParallelLinear(h, h, tp=tp, sequence_parallel=sequence_parallel, site=f"{name}.proj",
+                                      init=seeded_normal(config.seed, f"{name}.proj.weight", out_std),
+                                      device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)                                              # [s, b, 3h/t]
+        s, b, _ = qkv.shape
+        qkv = qkv.view(s, b, self.heads_local, 3, self.head_dim)        # [s, b, a/t, 3, d]
+        q, k, v = (qkv[:, :, :, i].permute(1, 2, 0, 3) for i in range(3))  # each [b, a/t, s, d]
+        scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)     # [b, a/t, s, s]
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+        probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1)
+        # Heads are split: each TP rank drops different entries (tensor-parallel stream).
+        probs = dropout(probs, self.dropout_p, generator=self.rng.tensor_parallel, training=self.training)
+        ctx = (probs @ v).permute(2, 0, 1, 3).reshape(s, b, -1)        # [s, b, h/t]
+        out = self.proj(ctx)                                            # [s, b, h] or [s/t, b, h]
+        gen = self.rng.tensor_parallel if self.sp else self.rng.replicated
+        return dropout(out, self.dropout_p, generator=gen, training=self.training)
+
+
+class ParallelMLP(nn.Module):
+    """``fc2(gelu(fc1(x)))`` with fc1 column-parallel and fc2 row-parallel (Shoeybi et al. 2019, fig. 3a).
+
+    forward: ``[s, b, h] -> [s, b, ffn/t] -> [s, b, h]``; the GELU needs no communication because
+    each rank holds whole columns of fc1's output. One f/g pair as in attention.
+    """
+
+    def __init__(self, config: GPTConfig, *, layer: int, tp: CommGroup, sequence_parallel: bool,
+                 rng: TPRandomState, device=None):
+        super().__init__()
+        h, name = config.hidden, f"layers.{layer}.mlp"
+        self.dropout_p, self.rng, self.sp = config.dropout, rng, sequence_parallel
+        out_std = config.init_std / math.sqrt(2 * config.layers)
+        self.fc1 = ColumnParallelLinear(h, config.ffn, tp=tp, sequence_parallel=sequence_parallel,
+                                        site=f"{name}.fc1", device=device,
+                                        init=seeded_normal(config.seed, f"{name}.fc1.weight", config.init_std))
+        self.fc2 = RowParallelLinear(config.ffn, h, tp=tp, sequence_parallel=sequence_parallel,
+                                     site=f"{name}.fc2", device=device,
+                                     init=seeded_normal(config.seed, f"{name}.fc2.weight", out_std))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc2(F.gelu(self.fc1(x)))
+        gen = self.rng.tensor_parallel if self.sp else self.rng.replicated
+        return dropout(y, self.dropout_p, generator=gen, training=self.training)
+
+
+class TransformerLayer(nn.Module):
+    """Pre-LayerNorm block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``. Shape kept: ``[s, b, h]``."""
+
+    def __init__(self, config: GPTConfig, *, layer: int, tp: CommGroup, sequence_parallel: bool,
+                 rng: TPRandomState, device=None):
+        super().__init__()
+        kw = dict(eps=config.layernorm_eps, sequence_parallel=sequence_parallel, device=device)
+        self.ln1 = LayerNorm(config.hidden, **kw)
+        self.attn = ParallelAttention(config, layer=layer, tp=tp, sequence_parallel=sequence_parallel,
+                                      rng=rng, device=device)
+        self.ln2 = LayerNorm(config.hidden, **kw)
+        self.mlp = ParallelMLP(config, layer=layer, tp=tp, sequence_parallel=sequence_parallel, rng=rng,
+                               device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+# ------------------------------------------------------------------------------------------ the model
+class GPT(nn.Module):
+    """One pipeline stage of a tensor-parallel GPT (the whole serial model by default).
+
+    Args:
+        config: model sizes.
+        tp: the tensor-parallel group (``None``: serial, tp=1).
+        stage: which layers and ends this module holds (``None``: the whole model).
+        sequence_parallel: split LayerNorm and dropout regions along the sequence.
+        device: where parameters live.
+
+    forward(x, targets=None):
+        first stage: ``x`` are token ids ``[b, s]``; other stages: hidden states ``[s, b, h]``
+        (``[s/t, b, h]`` with SP) from the previous stage. Last stage: returns the mean loss over
+        non-ignored targets ``[b, s]`` when ``targets`` is given, else the local logits
+        ``[s, b, V/t]``. Other stages return hidden states for the next stage.
+    """
+
+    def __init__(self, config: GPTConfig, *, tp: Optional[CommGroup] = None, stage: Optional[Stage] = None,
+                 sequence_parallel: bool = False, device=None):
+        super().__init__()
+        tp = tp or _single_group()
+        stage = stage or Stage.whole(config)
+        config.check_parallel(tp=tp.size, sequence_parallel=sequence_parallel)
+        self.config, self.tp, self.stage, self.sequence_parallel = config, tp, stage, sequence_parallel
+        self.rng = TPRandomState(seed=config.seed, tp_rank=tp.rank, pp_rank=stage.pp_rank, device=device)
+        self.padded_vocab = config.padded_vocab(tp.size)
+        self.vocab_start = tp.rank * (self.padded_vocab // tp.size)
+        h, sp = config.hidden, sequence_parallel
+
+        if stage.pre_process:
+            self.embedding = VocabParallelEmbedding(
+                self.padded_vocab, h, tp=tp, vocab_size=config.vocab_size, sequence_parallel=sp,
+                init=self._word_init(), site="embedding.word", device=device)
+            pos = seeded_normal(config.seed, "embedding.position", config.init_std)((config.seq_len, h))
+            self.position = mark_parameter(nn.Parameter(pos.to(device)), split_dim=None,
+                                           global_shape=(config.seq_len, h), sequence_parallel=sp)
+        self.layers = nn.ModuleDict({
+            str(i): TransformerLayer(config, layer=i, tp=tp, sequence_parallel=sp, rng=self.rng, device=device)
+            for i in stage.layers
+        })
+        if stage.post_process:
+            self.final_ln = LayerNorm(h, eps=config.layernorm_eps, sequence_parallel=sp, device=device)
+            if not (config.tie_embeddings and stage.pre_process):
+                # Untied head, or the last stage's copy of the tied word embedding (kept in sync by
+                # summing its gradient with the first stage's over the embedding group).
+                init = self._word_init() if config.tie_embeddings else seeded_normal(
+                    config.seed, "head.weight", config.init_std)
+                full = _pad_rows(init((config.vocab_size, h)), self.padded_vocab)
+                local = full.chunk(tp.size, dim=0)[tp.rank].clone()
+                self.head_weight = mark_parameter(nn.Parameter(local.to(device)), split_dim=0,
+                                                  global_shape=(self.padded_vocab, h))
+                self.head_weight.shared_embedding = config.tie_embeddings
+        self._mark_vocab_rows()
+
+    # ------------------------------------------------------------------ helpers
+    def _word_init(self):
+        base = seeded_normal(self.config.seed, "embedding.word", self.config.init_std)
+        vocab, padded = self.config.vocab_size, self.padded_vocab
+        return lambda shape: _pad_rows(base((vocab, shape[1])), padded)
+
+    def _mark_vocab_rows(self) -> None:
+        for p in self.vocab_parameters():
+            p.vocab_rows = self.config.vocab_size  # rows beyond it are padding (zero, never used)
+
+    def vocab_parameters(self) -> list[nn.Parameter]:
+        out = []
+        if self.stage.pre_process:
+            out.append(self.embedding.weight)
+        if hasattr(self, "head_weight"):
+            out.append(self.head_weight)
+        return out
+
+    def head_weight_param(self) -> nn.Parameter:
+        """The output head's ``[V/t, h]`` weight (the word embedding itself when tied on one stage)."""
+        return self.head_weight if hasattr(self, "head_weight") else self.embedding.weight
+
+    # ------------------------------------------------------------------ forward
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``[b, s]`` token ids -> ``[s, b, h]`` (``[s/t, b, h]`` with SP), position added, dropout."""
+        b, s = tokens.shape
+        if s > self.config.seq_len:
+            raise ValueError(f"sequence length {s} exceeds GPTConfig.seq_len={self.config.seq_len}")
+        x = self.embedding(tokens)
+        pos = self.position[:s]
+        if self.sequence_parallel and self.tp.size > 1:
+            n = s // self.tp.size
+            pos = pos[self.tp.rank * n:(self.tp.rank + 1) * n]
+        x = x + pos.unsqueeze(1)
+        gen = self.rng.tensor_parallel if self.sequence_parallel else self.rng.replicated
+        return dropout(x, self.config.dropout, generator=gen, training=self.training)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final LayerNorm and output projection: ``[s, b, h] -> [s, b, V/t]`` local logits."""
+        x = self.final_ln(x)
+        if self.sequence_parallel:
+            x = gather_from_sequence(x, self.tp, site="head")   # [s/t, b, h] -> [s, b, h]
+        else:
+            x = copy_to_tp(x, self.tp, site="head")
+        return F.linear(x, self.head_weight_param())
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100) -> torch.Tensor:
+        """Mean cross-entropy over non-ignored targets; ``logits [s, b, V/t]``, ``targets [b, s]``."""
+        per_token = vocab_parallel_cross_entropy(
+            logits, targets.t(), tp=self.tp, vocab_start=self.vocab_start,
+            vocab_size=self.config.vocab_size, ignore_index=ignore_index)
+        count = (targets != ignore_index).sum().clamp(min=1)
+        return per_token.sum() / count
+
+    def forward(self, x: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
+                ignore_index: int = -100) -> torch.Tensor:
+        if self.stage.pre_process:
+            x = self.embed(x)
+        for layer in self.layers.values():
+            x = layer(x)
+        if not self.stage.post_process:
+            return x
+        logits = self.head(x)
+        if targets is None:
+            return logits
+        return self.loss(logits, targets, ignore_index=ignore_index)
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Local ``[s, b, V/t]`` -> full ``[b, s, vocab_size]`` (padding dropped). For inspection and tests."""
+        full = gather_from_tp(logits, self.tp, site="gather_logits")
+        return full[..., : self.config.vocab_size].transpose(0, 1)
+
+    def extra_repr(self) -> str:
+        st = self.stage
+        return (f"layers={list(st.layers)}, pre_process={st.pre_process}, post_process={st.post_process}, "
+                f"tp={self.tp.size} (rank {self.tp.rank}), sequence_parallel={self.sequence_parallel}")
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])

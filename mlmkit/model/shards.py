@@ -1,0 +1,64 @@
+"""Shard inspection: what each rank holds of each parameter, and gathering shards back to full size."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from mlmkit.distributed import CommGroup
+
+__all__ = ["shard_table", "gather_full"]
+
+
+def shard_table(model: nn.Module, *, rank: Optional[int] = None):
+    """One row per parameter of ``model`` on this rank, as a pandas DataFrame.
+
+    Columns: ``name``, ``local_shape``, ``global_shape``, ``split_dim`` (``<NA>``: replicated on every
+    TP rank), ``tp_rank``/``tp_size``, ``sequence_parallel`` (gradient summed over TP after backward),
+    ``numel`` and ``bytes`` held here.
+    """
+    import pandas as pd
+
+    tp: Optional[CommGroup] = getattr(model, "tp", None)
+    rows = []
+    for name, p in model.named_parameters():
+        rows.append({
+            "rank": rank if rank is not None else (tp.global_rank if tp is not None else 0),
+            "name": name,
+            "local_shape": tuple(p.shape),
+            "global_shape": tuple(getattr(p, "global_shape", tuple(p.shape))),
+            "split_dim": getattr(p, "tp_split_dim", None),
+            "tp_rank": tp.rank if tp is not None else 0,
+            "tp_size": tp.size if tp is not None else 1,
+            "sequence_parallel": bool(getattr(p, "sequence_parallel", False)),
+            "numel": p.numel(),
+            "bytes": p.numel() * p.element_size(),
+        })
+    df = pd.DataFrame(rows)
+    df["split_dim"] = df["split_dim"].astype("Int64")  # <NA> = replicated on every TP rank
+    return df
+
+
+def gather_full(model: nn.Module, *, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter (or its gradient) gathered over the TP group to its full shape.
+
+    Collective over the model's TP group. Vocabulary padding rows are dropped, so the result has the
+    same shapes whatever the TP degree (compare it with the serial model's ``named_parameters``).
+    """
+    tp: CommGroup = model.tp
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.grad if grads else p.detach()
+        if t is None:
+            t = torch.zeros_like(p)
+        t = t.detach()
+        dim = getattr(p, "tp_split_dim", None)
+        if dim is not None and tp.size > 1:
+            t = tp.all_gather(t.contiguous(), dim=dim, site="gather_full")
+        rows = getattr(p, "vocab_rows", None)
+        if rows is not None:
+            t = t[:rows]
+        out[name] = t.clone()
+    return out

@@ -1,0 +1,33 @@
+"""Tensor parallelism (Shoeybi et al. 2019) and sequence parallelism (Korthikanti et al. 2022).
+
+- :mod:`~mlmkit.tensor_parallel.comm`: the f/g operators and their sequence-parallel twins;
+- :mod:`~mlmkit.tensor_parallel.layers`: column/row-parallel linears, vocab-parallel embedding;
+- :mod:`~mlmkit.tensor_parallel.cross_entropy`: loss over a split vocabulary;
+- :mod:`~mlmkit.tensor_parallel.random`: dropout streams that agree or differ across TP ranks.
+The attention and MLP blocks built from them live in :mod:`mlmkit.model.gpt`.
+"""
+
+from mlmkit.tensor_parallel.comm import (
+    copy_to_tp,
+    gather_from_sequence,
+    gather_from_tp,
+    reduce_from_tp,
+    reduce_scatter_to_sequence,
+    scatter_to_sequence,
+    scatter_to_tp,
+)
+from mlmkit.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from mlmkit.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    sync_sequence_parallel_grads,
+)
+from mlmkit.tensor_parallel.random import TPRandomState, dropout
+
+__all__ = [
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "TPRandomState",
+    "copy_to_tp", "dropout", "gather_from_sequence", "gather_from_tp", "reduce_from_tp",
+    "reduce_scatter_to_sequence", "scatter_to_sequence", "scatter_to_tp",
+    "sync_sequence_parallel_grads", "vocab_parallel_cross_entropy",
+]

@@ -1,0 +1,203 @@
+"""Tensor parallelism against the serial model: logits, loss, every gradient; comm counted by the ops."""
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mlmkit import Topology
+from mlmkit.distributed import ProcessGroups, RankFailure, run_ranks
+from mlmkit.model import GPT, gather_full, shard_table, tiny_config
+from mlmkit.tensor_parallel import (
+    RowParallelLinear,
+    TPRandomState,
+    sync_sequence_parallel_grads,
+    vocab_parallel_cross_entropy,
+)
+from mlmkit.trace import Tracer
+from tp_helpers import CFG, batch
+
+TOL = 1e-5
+
+
+def _serial():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    tokens, targets = batch(CFG)
+    logits = model.gather_logits(model(tokens))
+    loss = model(tokens, targets)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return logits.detach(), loss.item(), grads
+
+
+def _tp_run(rank, world_size, tp, sp):
+    groups = ProcessGroups.build(Topology(tp=tp))
+    model = GPT(CFG, tp=groups.tp, sequence_parallel=sp)
+    tokens, targets = batch(CFG)
+    logits = model.gather_logits(model(tokens)).detach()
+    loss = model(tokens, targets)
+    loss.backward()
+    sync_sequence_parallel_grads(model, groups.tp)
+    grads = gather_full(model, grads=True)
+    return logits, loss.item(), grads
+
+
+@pytest.fixture(scope="module")
+def serial():
+    return _serial()
+
+
+@pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (4, False), (2, True), (4, True)])
+def test_gpt_matches_serial(serial, tp, sp):
+    ref_logits, ref_loss, ref_grads = serial
+    results = run_ranks(_tp_run, world_size=tp, args=(tp, sp), timeout_s=120)
+    for rank, (logits, loss, grads) in enumerate(results):
+        assert abs(loss - ref_loss) <= TOL, (rank, loss, ref_loss)
+        assert (logits - ref_logits).abs().max().item() <= TOL
+        assert set(grads) == set(ref_grads)
+        for name, g in grads.items():
+            assert g.shape == ref_grads[name].shape, name
+            diff = (g - ref_grads[name]).abs().max().item()
+            assert diff <= TOL, f"rank {rank} {name}: max |grad diff| {diff:.2e}"
+
+
+def _count_comm(rank, world_size, sp):
+    tracer = Tracer(rank=rank)
+    groups = ProcessGroups.build(Topology(tp=world_size), tracer=tracer)
+    model = GPT(CFG, tp=groups.tp, sequence_parallel=sp)
+    tokens, targets = batch(CFG)
+    model(tokens, targets).backward()
+    return tracer.comm_frame()
+
+
+def test_comm_per_layer_counted_by_operators():
+    b, s, h = 2, CFG.seq_len, CFG.hidden
+    full_bytes = b * s * h * 4
+    plain = run_ranks(_count_comm, world_size=2, args=(False,))[0]
+    seq = run_ranks(_count_comm, world_size=2, args=(True,))[0]
+    for layer in range(CFG.layers):
+        rows = plain[plain.site.str.startswith(f"layers.{layer}.")]
+        assert len(rows) == 4 and set(rows.op) == {"all_reduce"}
+        assert (rows.bytes == full_bytes).all()
+        assert sorted(rows.phase) == ["backward", "backward", "forward", "forward"]
+        srows = seq[seq.site.str.startswith(f"layers.{layer}.")]
+        assert sorted(srows.op.value_counts().items()) == [("all_gather", 4), ("reduce_scatter", 4)]
+        assert (srows.bytes == full_bytes).all()  # the full [s, b, h] is gathered / reduce-scattered
+        # Same total volume on the wire: all-reduce = reduce-scatter + all-gather.
+        assert srows.wire_bytes.sum() == rows.wire_bytes.sum() == 4 * 2 * (2 - 1) * full_bytes // 2
+
+
+def _cross_entropy(rank, world_size, vocab, padded):
+    groups = ProcessGroups.build(Topology(tp=world_size))
+    g = torch.Generator().manual_seed(3)
+    full = torch.randn(5, 3, padded, generator=g, dtype=torch.float64).float()
+    targets = torch.randint(0, vocab, (5, 3), generator=g)
+    targets[1, 2] = targets[4, 0] = -100
+    local = full.chunk(world_size, dim=-1)[rank].clone().requires_grad_(True)
+    loss = vocab_parallel_cross_entropy(local, targets, tp=groups.tp, vocab_start=rank * (padded // world_size),
+                                        vocab_size=vocab)
+    loss.sum().backward()
+    return full, targets, loss.detach(), local.grad
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_vocab_parallel_cross_entropy(tp):
+    vocab, padded = 101, 104  # 3 padded columns, on the last rank
+    results = run_ranks(_cross_entropy, world_size=tp, args=(vocab, padded))
+    full, targets, _, _ = results[0]
+    logits = full[..., :vocab].clone().requires_grad_(True)
+    ref = F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1), ignore_index=-100, reduction="none")
+    ref.sum().backward()
+    ref_grad = torch.cat([logits.grad, torch.zeros(5, 3, padded - vocab)], dim=-1)
+    for rank, (_, _, loss, grad) in enumerate(results):
+        assert (loss.reshape(-1) - ref).abs().max().item() <= 1e-6
+        assert loss[1, 2] == 0 and loss[4, 0] == 0
+        assert (grad - ref_grad.chunk(tp, dim=-1)[rank]).abs().max().item() <= 1e-6
+
+
+def _dropout_streams(rank, world_size):
+    groups = ProcessGroups.build(Topology(tp=2))
+    rng = TPRandomState(seed=7, tp_rank=groups.tp.rank)
+    rep = torch.rand(8, generator=rng.replicated)
+    tpr = torch.rand(8, generator=rng.tensor_parallel)
+    # A stage without the head: its output is the residual stream, which must stay identical on
+    # every TP rank even with dropout on (replicated stream outside the TP region).
+    from mlmkit.model import Stage
+    cfg = tiny_config(dropout=0.3)
+    model = GPT(cfg, tp=groups.tp, stage=Stage(layers=(0, 1), pre_process=True, post_process=False))
+    model.train()
+    tokens, _ = batch(cfg)
+    hidden = model(tokens).detach()
+    model.eval()
+    hidden_eval = model(tokens).detach()
+    return rep, tpr, hidden, hidden_eval
+
+
+def test_dropout_agrees_where_megatron_agrees():
+    (rep0, tp0, h0, e0), (rep1, tp1, h1, e1) = run_ranks(_dropout_streams, world_size=2)
+    assert torch.equal(rep0, rep1)
+    assert not torch.equal(tp0, tp1)
+    assert torch.equal(h0, h1)              # residual stream identical across TP ranks
+    assert not torch.allclose(h0, e0)       # and dropout really was applied
+    torch.testing.assert_close(e0, e1)
+
+
+def test_shard_table_and_vocab_padding():
+    model = GPT(CFG)
+    df = shard_table(model)
+    row = df.set_index("name").loc["layers.0.attn.qkv.weight"]
+    assert row.local_shape == row.global_shape == (192, 64) and row.split_dim == 0
+    assert CFG.padded_vocab(4) == 104 and CFG.padded_vocab(2) == 102 and CFG.padded_vocab(1) == 101
+    assert tiny_config(make_vocab_size_divisible_by=128).padded_vocab(2) == 256  # Megatron's rule
+
+
+def _shards_tp2(rank, world_size):
+    groups = ProcessGroups.build(Topology(tp=2))
+    return shard_table(GPT(CFG, tp=groups.tp, sequence_parallel=True))
+
+
+def test_shard_table_tp2():
+    df = run_ranks(_shards_tp2, world_size=2)[1].set_index("name")
+    assert df.loc["layers.1.attn.qkv.weight"].local_shape == (96, 64)
+    assert df.loc["layers.1.attn.qkv.weight"].global_shape == (192, 64)
+    assert df.loc["layers.1.attn.proj.weight"].local_shape == (64, 32)
+    assert df.loc["layers.1.attn.proj.weight"].split_dim == 1
+    assert df.loc["layers.1.mlp.fc1.weight"].local_shape == (128, 64)
+    assert df.loc["embedding.weight"].local_shape == (51, 64)
+    assert df.loc["embedding.weight"].global_shape == (102, 64)
+    assert pd.isna(df.loc["layers.1.ln1.weight"].split_dim)
+    assert bool(df.loc["layers.1.ln1.weight"].sequence_parallel)
+    assert set(df.tp_rank) == {1}
+
+
+@pytest.mark.parametrize("overrides,tp,needle", [
+    ({"hidden": 66, "heads": 3}, 4, "hidden=66 is not divisible by tp=4"),
+    ({"heads": 2}, 4, "heads=2 is not divisible by tp=4"),
+    ({"ffn_hidden": 130}, 4, "ffn_hidden=130 is not divisible by tp=4"),
+])
+def test_bad_divisibility_fails_before_any_process(overrides, tp, needle):
+    with pytest.raises(ValueError, match=needle):
+        tiny_config(**overrides).check_parallel(tp=tp)
+
+
+def _wrong_shape(rank, world_size, which):
+    groups = ProcessGroups.build(Topology(tp=2))
+    if which == "row":
+        layer = RowParallelLinear(128, 64, tp=groups.tp, site="layers.0.mlp.fc2")
+        layer(torch.zeros(16, 2, 128))  # the full input instead of this rank's slice
+    else:
+        GPT(CFG, tp=groups.tp).layers["0"].mlp.fc1(torch.zeros(16, 2, 32))
+
+
+def test_wrong_shape_names_local_and_global_shapes():
+    with pytest.raises(RankFailure, match=r"expects input \[\.\.\., 64\] on each rank: its slice of the "
+                                          r"global \[\.\.\., 128\] split over tp=2; got \[16, 2, 128\]"):
+        run_ranks(_wrong_shape, world_size=2, args=("row",))
+    with pytest.raises(RankFailure, match=r"'layers.0.mlp.fc1' expects input \[\.\.\., 64\].*got \[16, 2, 32\]"):
+        run_ranks(_wrong_shape, world_size=2, args=("column",))
+
+
+def test_token_out_of_vocabulary():
+    with pytest.raises(ValueError, match=r"token id 101 is outside the vocabulary \[0, 101\)"):
+        GPT(CFG)(torch.full((1, 4), 101))
