@@ -1,0 +1,234 @@
+"""Simulate a schedule on modelled costs: timeline, step time, bubble and in-flight microbatches.
+
+Pure planning code. The engine is a dry run of the schedule with the executor's semantics: each
+rank performs its actions in order; a send is posted without waiting (``isend``) and its message
+arrives ``p2p_latency + bytes / p2p_bandwidth`` later; a receive waits until the matching message
+has arrived. Messages between two ranks are matched in order (first sent, first received), and a
+receive must find exactly the message it expects. :func:`mlmkit.pipeline.validate` runs the same
+engine with unit costs, so a schedule that passes validation cannot deadlock in the executor.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, fields
+from typing import Mapping, Optional, Sequence, Union
+
+from mlmkit.pipeline.schedule import Action, Schedule, ScheduleError
+
+__all__ = ["Costs", "SimResult", "simulate", "dry_run"]
+
+Number = Union[int, float]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Costs:
+    """Time of each action kind (any unit; seconds when calibrated from measurements).
+
+    ``forward``, ``backward`` and ``weight`` are a constant, a sequence with one entry per pipeline
+    rank, or one per virtual stage (``p * v`` entries). ``backward`` is backward-for-inputs when
+    ``weight`` is non-zero: a schedule that does not split backward pays ``backward + weight`` for
+    each B. A message costs ``p2p_latency + message_bytes / p2p_bandwidth`` (``p2p_bandwidth=0``:
+    infinitely fast).
+    """
+
+    forward: Union[Number, Sequence[Number]] = 0.0
+    backward: Union[Number, Sequence[Number]] = 0.0
+    weight: Union[Number, Sequence[Number]] = 0.0
+    p2p_latency: float = 0.0
+    p2p_bandwidth: float = 0.0
+    message_bytes: float = 0.0
+
+    @classmethod
+    def from_mapping(cls, costs: Union["Costs", Mapping]) -> "Costs":
+        if isinstance(costs, Costs):
+            return costs
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(costs) - known)
+        if unknown:
+            raise ValueError(f"unknown cost kind(s) {unknown}; expected some of {sorted(known)}")
+        return cls(**dict(costs))
+
+    def _of(self, kind: str, schedule: Schedule, rank: int, chunk: int) -> float:
+        value = getattr(self, kind)
+        if isinstance(value, (int, float)):
+            return float(value)
+        values = list(value)
+        if len(values) == schedule.stages:
+            return float(values[rank])
+        if len(values) == schedule.virtual_stages:
+            return float(values[schedule.virtual_stage(rank, chunk)])
+        raise ValueError(
+            f"costs.{kind} has {len(values)} entries; expected 1 value, {schedule.stages} (one per rank) "
+            f"or {schedule.virtual_stages} (one per virtual stage)"
+        )
+
+    def duration(self, schedule: Schedule, rank: int, action: Action) -> float:
+        if action.kind == "F":
+            return self._of("forward", schedule, rank, action.chunk)
+        if action.kind == "B":
+            t = self._of("backward", schedule, rank, action.chunk)
+            return t if schedule.split_backward else t + self._of("weight", schedule, rank, action.chunk)
+        if action.kind == "W":
+            return self._of("weight", schedule, rank, action.chunk)
+        return 0.0
+
+    def message_time(self) -> float:
+        bw = self.p2p_bandwidth
+        return self.p2p_latency + (self.message_bytes / bw if bw else 0.0)
+
+
+def _message_key(schedule: Schedule, rank: int, a: Action) -> tuple:
+    """Identity of the message a comm action sends or expects: (what, microbatch, sending virtual stage)."""
+    vs = schedule.virtual_stage(rank, a.chunk)
+    if a.kind == "SEND_ACT":
+        return ("activation", a.microbatch, vs)
+    if a.kind == "RECV_ACT":
+        return ("activation", a.microbatch, vs - 1)
+    if a.kind == "SEND_GRAD":
+        return ("gradient", a.microbatch, vs)
+    return ("gradient", a.microbatch, vs + 1)  # RECV_GRAD
+
+
+def dry_run(schedule: Schedule, costs: Costs) -> list[tuple]:
+    """Run the schedule's actions on modelled time. Returns rows (rank, index, action, start, end).
+
+    Raises :class:`ScheduleError` on a receive that would get another message than it expects, on a
+    deadlock (every unfinished rank waits for a message that is never sent) and on a message that
+    is sent but never received.
+    """
+    p = schedule.stages
+    idx = [0] * p
+    clock = [0.0] * p
+    mail: dict[tuple[int, int], deque] = {}
+    rows: list[tuple] = []
+    hop = costs.message_time()
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            acts = schedule.actions[r]
+            while idx[r] < len(acts):
+                a = acts[idx[r]]
+                if a.kind.startswith("SEND"):
+                    mail.setdefault((r, a.peer), deque()).append((_message_key(schedule, r, a), clock[r] + hop, idx[r], a))
+                    rows.append((r, idx[r], a, clock[r], clock[r]))
+                elif a.kind.startswith("RECV"):
+                    box = mail.get((a.peer, r))
+                    if not box:
+                        break  # blocked: nothing has arrived from the peer yet
+                    key, arrival, s_idx, s_act = box[0]
+                    expected = _message_key(schedule, r, a)
+                    if key != expected:
+                        raise ScheduleError(
+                            f"would receive {s_act} (rank {a.peer}'s action #{s_idx}) instead of the message it "
+                            f"expects: messages between rank {a.peer} and rank {r} must be received in the order "
+                            f"they are sent", rank=r, index=idx[r], action=a)
+                    box.popleft()
+                    start = clock[r]
+                    clock[r] = max(clock[r], arrival)
+                    rows.append((r, idx[r], a, start, clock[r]))
+                else:
+                    start = clock[r]
+                    clock[r] += costs.duration(schedule, r, a)
+                    rows.append((r, idx[r], a, start, clock[r]))
+                idx[r] += 1
+                progress = True
+    stuck = [r for r in range(p) if idx[r] < len(schedule.actions[r])]
+    if stuck:
+        waits = "; ".join(
+            f"rank {r} waits at action #{idx[r]} {schedule.actions[r][idx[r]]}" for r in stuck)
+        r0 = stuck[0]
+        raise ScheduleError(f"deadlock: {waits}; no rank can make progress",
+                            rank=r0, index=idx[r0], action=schedule.actions[r0][idx[r0]])
+    for (src, dst), box in sorted(mail.items()):
+        if box:
+            _, _, s_idx, s_act = box[0]
+            raise ScheduleError(f"is never received: rank {dst} has no matching receive", rank=src,
+                                index=s_idx, action=s_act)
+    return rows
+
+
+@dataclass
+class SimResult:
+    """What :func:`simulate` returns.
+
+    Attributes:
+        timeline: DataFrame of compute actions (rank, action, microbatch, chunk, start, end).
+        step_time: end of the last action on any rank.
+        bubble_fraction: idle share of ``p * step_time`` over all ranks.
+        bubble_per_rank: idle share of ``step_time`` per rank (dict rank -> float).
+        bubble_ratio: total idle time over total busy time (the "of the ideal time" form of
+            Narayanan et al. 2021: ``(p-1)/(v m)`` for interleaved 1F1B).
+        peak_inflight: per rank, the most (microbatch, chunk) pairs whose activations are held at
+            once (from the forward until its last backward action, W included when split).
+        busy_per_rank: compute time per rank.
+    """
+
+    schedule: Schedule
+    timeline: object
+    step_time: float
+    bubble_fraction: float
+    bubble_per_rank: dict
+    bubble_ratio: float
+    peak_inflight: dict
+    busy_per_rank: dict
+
+    def summary(self):
+        """One row per rank: busy, idle, bubble share and peak in-flight microbatches."""
+        import pandas as pd
+
+        rows = [{"rank": r, "busy": self.busy_per_rank[r], "idle": self.step_time - self.busy_per_rank[r],
+                 "bubble": self.bubble_per_rank[r], "peak_inflight": self.peak_inflight[r]}
+                for r in range(self.schedule.stages)]
+        return pd.DataFrame(rows).set_index("rank")
+
+    def __repr__(self) -> str:
+        s = self.schedule
+        return (f"SimResult({s.name}, p={s.stages}, m={s.microbatches}, v={s.chunks}: step_time={self.step_time:.4g}, "
+                f"bubble={self.bubble_fraction:.1%}, peak_inflight={list(self.peak_inflight.values())})")
+
+    def _repr_html_(self) -> str:
+        return f"<b>{self!r}</b>" + self.summary()._repr_html_()
+
+
+def inflight_peaks(schedule: Schedule) -> dict[int, int]:
+    """Peak number of (microbatch, chunk) pairs held per rank, from action order alone."""
+    last_kind = "W" if schedule.split_backward else "B"
+    peaks = {}
+    for r in range(schedule.stages):
+        held = peak = 0
+        for a in schedule.compute_actions(r):
+            if a.kind == "F":
+                held += 1
+                peak = max(peak, held)
+            elif a.kind == last_kind:
+                held -= 1
+        peaks[r] = peak
+    return peaks
+
+
+def simulate(schedule: Schedule, costs: Union[Costs, Mapping[str, object]]) -> SimResult:
+    """Simulate ``schedule`` with ``costs`` (a :class:`Costs` or a mapping such as
+    ``{"forward": 1.0, "backward": 2.0}``; missing kinds cost nothing)."""
+    import pandas as pd
+
+    from mlmkit.pipeline.validate import validate
+
+    validate(schedule)
+    costs = Costs.from_mapping(costs)
+    rows = dry_run(schedule, costs)
+    compute = [(r, a.kind, a.microbatch, a.chunk, start, end) for r, _, a, start, end in rows
+               if a.kind in ("F", "B", "W")]
+    timeline = pd.DataFrame(compute, columns=["rank", "action", "microbatch", "chunk", "start", "end"])
+    step = max((end for *_, end in rows), default=0.0)
+    busy = {r: 0.0 for r in range(schedule.stages)}
+    for r, _, _, _, start, end in compute:
+        busy[r] += end - start
+    total_busy = sum(busy.values())
+    per_rank = {r: (1.0 - busy[r] / step) if step else 0.0 for r in busy}
+    fraction = (1.0 - total_busy / (schedule.stages * step)) if step else 0.0
+    ratio = (schedule.stages * step - total_busy) / total_busy if total_busy else 0.0
+    return SimResult(schedule=schedule, timeline=timeline, step_time=step, bubble_fraction=fraction,
+                     bubble_per_rank=per_rank, bubble_ratio=ratio, peak_inflight=inflight_peaks(schedule),
+                     busy_per_rank=busy)

@@ -1,0 +1,110 @@
+"""Check a schedule before anything runs: every error names the rank, the action and the reason.
+
+Pure planning code. Checks, in order:
+
+1. each action is well formed (known kind, microbatch and chunk in range, the right peer: the rank
+   that holds the neighbouring virtual stage);
+2. each rank runs, for each of its chunks and each microbatch, exactly one F and one B (and one W
+   when backward is split), forward before backward before weight-gradient;
+3. each compute action has its data: a stage's F is preceded by the RECV_ACT of that microbatch
+   (except on the first virtual stage) and followed by its SEND_ACT (except on the last); likewise
+   B with RECV_GRAD / SEND_GRAD;
+4. a dry run of the send/receive graph (:func:`mlmkit.pipeline.simulate.dry_run`, unit costs):
+   every receive gets the message it expects, nothing deadlocks, nothing is left unreceived.
+"""
+
+from __future__ import annotations
+
+from mlmkit.pipeline.schedule import COMM, KINDS, Schedule, ScheduleError
+
+__all__ = ["validate"]
+
+
+def validate(schedule: Schedule) -> Schedule:
+    """Raise :class:`ScheduleError` if ``schedule`` cannot run correctly; return it otherwise."""
+    from mlmkit.pipeline.simulate import Costs, dry_run
+
+    p, m, v = schedule.stages, schedule.microbatches, schedule.chunks
+    if len(schedule.actions) != p:
+        raise ScheduleError(f"schedule has action lists for {len(schedule.actions)} ranks but stages={p}")
+    last = p * v - 1
+    for r, acts in enumerate(schedule.actions):
+        seen: dict[tuple[str, int, int], int] = {}
+        for i, a in enumerate(acts):
+            _check_action(schedule, r, i, a, last)
+            key = (a.kind, a.microbatch, a.chunk)
+            if key in seen:
+                raise ScheduleError(f"duplicates action #{seen[key]}", rank=r, index=i, action=a)
+            seen[key] = i
+        for c in range(v):
+            vs = schedule.virtual_stage(r, c)
+            for mb in range(m):
+                _check_microbatch(schedule, r, c, mb, vs, last, seen)
+    dry_run(schedule, Costs(forward=1.0, backward=1.0, weight=1.0))
+    return schedule
+
+
+def _check_action(schedule: Schedule, r: int, i: int, a, last: int) -> None:
+    p, m, v = schedule.stages, schedule.microbatches, schedule.chunks
+    if a.kind not in KINDS:
+        raise ScheduleError(f"unknown action kind {a.kind!r}; expected one of {', '.join(KINDS)}",
+                            rank=r, index=i, action=a)
+    if not 0 <= a.microbatch < m:
+        raise ScheduleError(f"microbatch {a.microbatch} is out of range [0, {m})", rank=r, index=i, action=a)
+    if not 0 <= a.chunk < v:
+        raise ScheduleError(f"chunk {a.chunk} is out of range [0, {v})", rank=r, index=i, action=a)
+    if a.kind == "W" and not schedule.split_backward:
+        raise ScheduleError("W (weight gradient) in a schedule whose backward is not split",
+                            rank=r, index=i, action=a)
+    if a.kind in COMM:
+        vs = schedule.virtual_stage(r, a.chunk)
+        if a.kind in ("SEND_ACT", "RECV_GRAD"):
+            if vs == last:
+                raise ScheduleError("the last virtual stage has no next stage to talk to", rank=r, index=i, action=a)
+            want = (vs + 1) % p
+        else:
+            if vs == 0:
+                raise ScheduleError("the first virtual stage has no previous stage to talk to",
+                                    rank=r, index=i, action=a)
+            want = (vs - 1) % p
+        if a.peer != want:
+            raise ScheduleError(
+                f"peer should be rank {want} (virtual stage {vs} talks to the {'next' if want == (vs + 1) % p else 'previous'} "
+                f"stage, held by rank {want}), not {a.peer}", rank=r, index=i, action=a)
+    elif a.peer is not None:
+        raise ScheduleError("a compute action has no peer", rank=r, index=i, action=a)
+
+
+def _check_microbatch(schedule: Schedule, r: int, c: int, mb: int, vs: int, last: int, seen: dict) -> None:
+    acts = schedule.actions[r]
+
+    def where(kind):
+        return seen.get((kind, mb, c))
+
+    f, b, w = where("F"), where("B"), where("W")
+    tag = f"microbatch {mb}" + (f", chunk {c}" if schedule.chunks > 1 else "")
+    if f is None:
+        raise ScheduleError(f"has no forward F for {tag}", rank=r)
+    if b is None:
+        raise ScheduleError(f"has no backward B for {tag}", rank=r)
+    if b < f:
+        raise ScheduleError(f"backward before its forward (the forward is action #{f})", rank=r, index=b, action=acts[b])
+    if schedule.split_backward:
+        if w is None:
+            raise ScheduleError(f"has no weight-gradient W for {tag}", rank=r)
+        if w < b:
+            raise ScheduleError(f"weight gradient before its backward (action #{b})", rank=r, index=w, action=acts[w])
+    checks = []
+    if vs > 0:
+        checks.append(("RECV_ACT", "before", f))
+        checks.append(("SEND_GRAD", "after", b))
+    if vs < last:
+        checks.append(("SEND_ACT", "after", f))
+        checks.append(("RECV_GRAD", "before", b))
+    for kind, when, anchor in checks:
+        pos = where(kind)
+        ok = pos is not None and (pos < anchor if when == "before" else pos > anchor)
+        if not ok:
+            missing = "is missing" if pos is None else f"comes {'after' if when == 'before' else 'before'} it (action #{pos})"
+            raise ScheduleError(f"{kind} for {tag} must come {when} this action but {missing}",
+                                rank=r, index=anchor, action=acts[anchor])

@@ -1,0 +1,183 @@
+"""Schedules as data: known bubble results, validation of broken hand-written schedules, bad configs."""
+
+import pytest
+
+from mlmkit.pipeline import (
+    SCHEDULES,
+    Action,
+    Costs,
+    ScheduleError,
+    make_schedule,
+    schedule_from_table,
+    simulate,
+    validate,
+)
+
+UNIFORM = {"forward": 1.0, "backward": 2.0}
+GRID = [(p, m) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p)]
+
+
+@pytest.mark.parametrize("p,m", GRID)
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_gpipe_and_1f1b_bubble(name, p, m):
+    res = simulate(make_schedule(name, stages=p, microbatches=m), UNIFORM)
+    expected = (p - 1) / (m + p - 1)
+    assert res.bubble_fraction == pytest.approx(expected, abs=1e-9)
+    for r in range(p):
+        assert res.bubble_per_rank[r] == pytest.approx(expected, abs=1e-9)
+    assert res.step_time == pytest.approx((m + p - 1) * 3.0, abs=1e-9)
+
+
+@pytest.mark.parametrize("p,m", GRID)
+def test_peak_inflight(p, m):
+    gpipe = simulate(make_schedule("gpipe", stages=p, microbatches=m), UNIFORM)
+    ofob = simulate(make_schedule("1f1b", stages=p, microbatches=m), UNIFORM)
+    assert gpipe.peak_inflight == {r: m for r in range(p)}
+    assert ofob.peak_inflight == {r: p - r for r in range(p)}
+
+
+@pytest.mark.parametrize("p,m", GRID)
+def test_interleaved_bubble_of_narayanan(p, m):
+    v = 2
+    res = simulate(make_schedule("interleaved-1f1b", stages=p, microbatches=m, chunks=v), UNIFORM)
+    # Narayanan et al. 2021: bubble time / ideal time = (p - 1) / (v m).
+    assert res.bubble_ratio == pytest.approx((p - 1) / (v * m), abs=1e-9)
+    one = simulate(make_schedule("1f1b", stages=p, microbatches=m), UNIFORM)
+    assert res.bubble_ratio == pytest.approx(one.bubble_ratio / v, abs=1e-9)
+
+
+@pytest.mark.parametrize("p,m", GRID)
+def test_zero_bubble_h1_is_a_third_of_1f1b(p, m):
+    costs = {"forward": 1.0, "backward": 1.0, "weight": 1.0}
+    zb = simulate(make_schedule("zb-h1", stages=p, microbatches=m), costs)
+    ofob = simulate(make_schedule("1f1b", stages=p, microbatches=m), costs)
+    idle = lambda r: r.step_time * r.bubble_fraction  # noqa: E731 - mean idle time per rank
+    assert idle(ofob) == pytest.approx(3 * (p - 1), abs=1e-9)  # (p-1)(F+B+W)
+    assert idle(zb) == pytest.approx((p - 1), abs=1e-9)        # (p-1)(F+B-W)
+    assert idle(zb) / idle(ofob) == pytest.approx(1 / 3, abs=1e-9)
+
+
+def test_costs_per_stage_and_p2p():
+    s = make_schedule("gpipe", stages=2, microbatches=2)
+    res = simulate(s, Costs(forward=[1.0, 2.0], backward=[1.0, 1.0], p2p_latency=0.5))
+    # rank 1 forwards take 2; each hop costs 0.5.
+    tl = res.timeline
+    f1 = tl[(tl["rank"] == 1) & (tl.action == "F")]
+    assert list(f1.start) == [1.5, 3.5] and list(f1.end) == [3.5, 5.5]
+    with pytest.raises(ValueError, match="unknown cost kind"):
+        simulate(s, {"fwd": 1.0})
+    with pytest.raises(ValueError, match="3 entries"):
+        simulate(s, {"forward": [1, 2, 3]})
+
+
+def test_timeline_has_one_block_per_compute_action():
+    s = make_schedule("interleaved-1f1b", stages=2, microbatches=4, chunks=2)
+    tl = simulate(s, UNIFORM).timeline
+    assert list(tl.columns) == ["rank", "action", "microbatch", "chunk", "start", "end"]
+    assert len(tl) == 2 * 4 * 2 * 2
+    assert (tl.groupby(["rank", "action", "microbatch", "chunk"]).size() == 1).all()
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_generated_schedules_validate(name):
+    for p in (2, 4):
+        chunks = 2 if name == "interleaved-1f1b" else 1
+        validate(make_schedule(name, stages=p, microbatches=2 * p, chunks=chunks))
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(name="1f1b", stages=4, microbatches=2), "too few microbatches for '1f1b': microbatches=2 < stages=4"),
+    (dict(name="zb-h1", stages=4, microbatches=3), "too few microbatches"),
+    (dict(name="interleaved-1f1b", stages=4, microbatches=6, chunks=2), "microbatches divisible by stages.*use 8"),
+    (dict(name="interleaved-1f1b", stages=2, microbatches=4, chunks=3, layers=8),
+     "chunks=3 does not divide the layers: layers=8"),
+    (dict(name="1f1b", stages=4, microbatches=4, layers=3), "4 stages .* but only layers=3"),
+    (dict(name="1f1b", stages=2, microbatches=4, chunks=2), "only 'interleaved-1f1b'"),
+    (dict(name="pipedream", stages=2, microbatches=4), "unknown schedule 'pipedream'"),
+    (dict(name="gpipe", stages=0, microbatches=4), "stages=0"),
+])
+def test_bad_configs(kwargs, needle):
+    name = kwargs.pop("name")
+    with pytest.raises(ScheduleError, match=needle):
+        make_schedule(name, **kwargs)
+
+
+def _table(rows):
+    return schedule_from_table([dict(zip(("rank", "kind", "microbatch", "peer"), r)) for r in rows])
+
+
+GOOD = [
+    (0, "F", 0, None), (0, "SEND_ACT", 0, 1), (0, "RECV_GRAD", 0, 1), (0, "B", 0, None),
+    (1, "RECV_ACT", 0, 0), (1, "F", 0, None), (1, "B", 0, None), (1, "SEND_GRAD", 0, 0),
+]
+
+
+def test_hand_written_schedule_validates_and_simulates():
+    s = _table(GOOD)
+    assert s.stages == 2 and s.microbatches == 1
+    assert simulate(s, UNIFORM).step_time == pytest.approx(6.0)
+
+
+def test_missing_recv_is_named():
+    rows = [r for r in GOOD if not (r[0] == 1 and r[1] == "RECV_ACT")]
+    with pytest.raises(ScheduleError, match=r"rank 1, action #0 F\(mb=0\): RECV_ACT for microbatch 0 must come before"):
+        validate(_table(rows))
+
+
+def test_backward_before_forward_is_named():
+    rows = [GOOD[0], GOOD[1], GOOD[2], GOOD[3], GOOD[4], GOOD[6], GOOD[5], GOOD[7]]
+    with pytest.raises(ScheduleError, match=r"rank 1, action #1 B\(mb=0\): backward before its forward"):
+        validate(_table(rows))
+
+
+def test_deadlock_is_caught_by_the_dry_run():
+    # Both ranks receive before they send: each waits for the other forever.
+    rows = [
+        (0, "F", 0, None), (0, "RECV_GRAD", 0, 1), (0, "SEND_ACT", 0, 1), (0, "B", 0, None),
+        (1, "RECV_ACT", 0, 0), (1, "F", 0, None), (1, "B", 0, None), (1, "SEND_GRAD", 0, 0),
+    ]
+    rows_ok_structure = _table(rows)
+    with pytest.raises(ScheduleError, match=r"deadlock: rank 0 waits at action #1 RECV_GRAD\(mb=0, from rank 1\); "
+                                            r"rank 1 waits at action #0 RECV_ACT"):
+        validate(rows_ok_structure)
+
+
+def test_out_of_order_messages_are_caught():
+    base = make_schedule("gpipe", stages=2, microbatches=2)
+    r1 = list(base.actions[1])
+    # Rank 1 receives microbatch 1 before microbatch 0, but rank 0 sends 0 first.
+    i0 = r1.index(Action("RECV_ACT", 0, 0, 0))
+    i1 = r1.index(Action("RECV_ACT", 1, 0, 0))
+    r1[i0], r1[i1] = r1[i1], r1[i0]
+    f0, f1 = r1.index(Action("F", 0)), r1.index(Action("F", 1))
+    r1[f0], r1[f1] = r1[f1], r1[f0]
+    from dataclasses import replace
+    bad = replace(base, actions=(base.actions[0], tuple(r1)))
+    with pytest.raises(ScheduleError, match=r"rank 1, action #0 RECV_ACT\(mb=1, from rank 0\): would receive "
+                                            r"SEND_ACT\(mb=0, to rank 1\)"):
+        validate(bad)
+
+
+def test_wrong_peer_and_unknown_kind():
+    rows = list(GOOD)
+    rows[1] = (0, "SEND_ACT", 0, 0)
+    with pytest.raises(ScheduleError, match=r"rank 0, action #1 SEND_ACT\(mb=0, to rank 0\): peer should be rank 1"):
+        validate(_table(rows))
+    with pytest.raises(ScheduleError, match="unknown action kind 'FWD'"):
+        _table([(0, "FWD", 0, None)])
+
+
+def test_compute_only_table_gets_communication():
+    rows = [{"rank": r, "kind": k, "microbatch": mb} for r in (0, 1) for k, mb in (("F", 0), ("F", 1), ("B", 0), ("B", 1))]
+    s = schedule_from_table(rows, add_communication=True)
+    validate(s)
+    assert s.to_frame().kind.value_counts()["SEND_ACT"] == 2
+
+
+def test_planning_layer_is_pure():
+    import subprocess
+    import sys
+
+    code = ("import sys, mlmkit.pipeline; "
+            "bad=[m for m in sys.modules if m.startswith('torch')]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
