@@ -181,3 +181,23 @@ def test_planning_layer_is_pure():
     code = ("import sys, mlmkit.pipeline; "
             "bad=[m for m in sys.modules if m.startswith('torch')]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_cursor_steps_every_schedule_to_the_end_without_blocking(name):
+    from mlmkit.pipeline import ScheduleCursor
+
+    s = make_schedule(name, stages=4, microbatches=8, chunks=2 if name == "interleaved-1f1b" else 1)
+    cur = ScheduleCursor(s)
+    rounds = 0
+    while not cur.done:
+        ready = cur.runnable()
+        assert ready, f"stuck at {cur}"
+        for r in ready:
+            cur.advance(r)
+        rounds += 1
+    assert rounds >= max(len(a) for a in s.actions) // 2
+    blocked = ScheduleCursor(make_schedule("gpipe", stages=2, microbatches=1))
+    assert blocked.runnable() == [0]  # rank 1 starts with a receive nobody has sent yet
+    with pytest.raises(RuntimeError, match="rank 1 cannot take RECV_ACT"):
+        blocked.advance(1)

@@ -5,6 +5,7 @@ Planning (pure Python, no torch): :func:`make_schedule`, :func:`schedule_from_ta
 (imported on use, it needs torch).
 """
 
+from mlmkit.pipeline.cursor import ScheduleCursor
 from mlmkit.pipeline.schedule import (
     SCHEDULES,
     Action,
@@ -17,6 +18,6 @@ from mlmkit.pipeline.simulate import Costs, SimResult, simulate
 from mlmkit.pipeline.validate import validate
 
 __all__ = [
-    "SCHEDULES", "Action", "Costs", "Schedule", "ScheduleError", "SimResult", "make_schedule",
+    "SCHEDULES", "Action", "Costs", "Schedule", "ScheduleCursor", "ScheduleError", "SimResult", "make_schedule",
     "schedule_from_table", "simulate", "validate",
 ]

@@ -1,0 +1,64 @@
+"""Lockstep stepping without blocking: which rank can take its next action now?
+
+Pure planning code. A driver (the notebook session) that steps every rank one action at a time
+must never ask a rank to receive a message its peer has not sent yet: that rank would block inside
+the call, and the driver with it. :class:`ScheduleCursor` follows every rank's position in the
+schedule and answers :meth:`~ScheduleCursor.can_step`: compute actions and sends always can; a
+receive can once the peer has executed the matching send (messages between two ranks are matched
+in order, which validation guarantees).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from mlmkit.pipeline.schedule import Action, Schedule
+
+__all__ = ["ScheduleCursor"]
+
+
+class ScheduleCursor:
+    """Positions of all ranks in one step of ``schedule``."""
+
+    def __init__(self, schedule: Schedule):
+        self.schedule = schedule
+        self.index = [0] * schedule.stages
+        self._sent: dict[tuple[int, int], int] = {}
+        self._received: dict[tuple[int, int], int] = {}
+
+    def next_action(self, rank: int) -> Optional[Action]:
+        acts = self.schedule.actions[rank]
+        return acts[self.index[rank]] if self.index[rank] < len(acts) else None
+
+    def can_step(self, rank: int) -> bool:
+        a = self.next_action(rank)
+        if a is None:
+            return False
+        if a.kind.startswith("RECV"):
+            pair = (a.peer, rank)
+            return self._sent.get(pair, 0) > self._received.get(pair, 0)
+        return True
+
+    def runnable(self) -> list[int]:
+        """Ranks whose next action completes without waiting for anyone."""
+        return [r for r in range(self.schedule.stages) if self.can_step(r)]
+
+    def advance(self, rank: int) -> Action:
+        """Record that ``rank`` executed its next action."""
+        if not self.can_step(rank):
+            raise RuntimeError(f"rank {rank} cannot take {self.next_action(rank)} yet")
+        a = self.next_action(rank)
+        if a.kind.startswith("SEND"):
+            self._sent[(rank, a.peer)] = self._sent.get((rank, a.peer), 0) + 1
+        elif a.kind.startswith("RECV"):
+            self._received[(a.peer, rank)] = self._received.get((a.peer, rank), 0) + 1
+        self.index[rank] += 1
+        return a
+
+    @property
+    def done(self) -> bool:
+        return all(i == len(a) for i, a in zip(self.index, self.schedule.actions))
+
+    def __repr__(self) -> str:
+        pos = ", ".join(f"r{r}:{i}/{len(a)}" for r, (i, a) in enumerate(zip(self.index, self.schedule.actions)))
+        return f"ScheduleCursor({self.schedule.name}: {pos})"

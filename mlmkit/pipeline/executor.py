@@ -1,0 +1,364 @@
+"""Execute a :class:`~mlmkit.pipeline.schedule.Schedule` on real ranks, one action at a time.
+
+Each rank builds its model chunks (:func:`build_model_chunks`) and a :class:`PipelineExecutor`, then
+either runs a whole step (:meth:`PipelineExecutor.run_step`) or steps action by action
+(:meth:`PipelineExecutor.step_action`, what the notebook's step button calls). The schedule is
+validated first, so a broken one is rejected before any message is sent.
+
+What an action does on this rank (``c`` = chunk, ``mb`` = microbatch, ``m`` microbatches):
+
+- ``RECV_ACT`` / ``RECV_GRAD``: receive activations ``[s, b_mb, h]`` (``[s/t, b_mb, h]`` with sequence
+  parallelism) or their gradient from the peer stage (``irecv``, then wait).
+- ``F``: run chunk ``c`` on microbatch ``mb`` (token ids on the first virtual stage, the received
+  activations otherwise); the last virtual stage computes the loss and scales it by ``1/m``.
+  The input and output are kept until the backward.
+- ``SEND_ACT`` / ``SEND_GRAD``: ``isend`` the output activations or the input gradient; sends are
+  waited for at the end of the step.
+- ``B``: backward through the chunk from the received output gradient (or from the loss); with a
+  split schedule only the input gradient (``torch.autograd.grad``), keeping the graph for ``W``.
+- ``W``: weight gradients of a split backward (``torch.autograd.backward(..., inputs=params)``).
+
+After the last action: gradients of sequence-parallel parameters are summed over TP, and the tied
+word embedding's gradient is summed between the first and last stage (embedding group).
+
+Messages carry a tag naming (activation or gradient, sending virtual stage, microbatch), so gloo
+cannot pair a message with the wrong receive even when a rank's previous and next stage are the
+same peer (pp=2 with interleaving). NCCL ignores tags; it relies on the per-pair order that
+validation checks, and consecutive communication actions are posted as one batch
+(``batch_isend_irecv``) as Megatron-LM does.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from mlmkit.distributed import CommGroup, ProcessGroups
+from mlmkit.model import GPT, GPTConfig, Stage, split_layers
+from mlmkit.pipeline.schedule import Action, Schedule, ScheduleError
+from mlmkit.pipeline.validate import validate
+from mlmkit.tensor_parallel import sync_sequence_parallel_grads
+
+__all__ = ["PipelineExecutor", "StepState", "build_model_chunks", "sync_embedding_grads"]
+
+_COMM = ("SEND_ACT", "SEND_GRAD", "RECV_ACT", "RECV_GRAD")
+
+
+def build_model_chunks(config: GPTConfig, *, groups: ProcessGroups, chunks: int = 1,
+                       layers_per_stage: Optional[Sequence[int]] = None,
+                       sequence_parallel: bool = False) -> list[GPT]:
+    """This rank's model chunks: chunk ``c`` is virtual stage ``c * p + pp_rank`` of ``p * chunks``.
+
+    ``layers_per_stage`` lists the layer count of each virtual stage (default: as even as possible).
+    """
+    p, r = groups.topology.pp, groups.coords.pp
+    config.check_parallel(tp=groups.tp.size, pp=p, chunks=chunks, sequence_parallel=sequence_parallel)
+    layout = split_layers(config.layers, p * chunks, layers_per_stage)
+    out = []
+    for c in range(chunks):
+        vs = c * p + r
+        stage = Stage(layers=layout[vs], pre_process=vs == 0, post_process=vs == p * chunks - 1,
+                      index=vs, pp_rank=r)
+        out.append(GPT(config, tp=groups.tp, stage=stage, sequence_parallel=sequence_parallel,
+                       device=groups.device))
+    return out
+
+
+def sync_embedding_grads(chunks: Sequence[GPT], embedding: Optional[CommGroup]) -> None:
+    """Sum the tied word embedding's gradient between the first and the last pipeline stage.
+
+    The first stage uses it to embed tokens, the last as the output head; each holds a copy and
+    gets part of the gradient. Megatron-LM all-reduces it over the embedding group so both copies
+    take the same optimizer step and stay equal.
+    """
+    if embedding is None or embedding.size == 1:
+        return
+    for model in chunks:
+        if not model.config.tie_embeddings:
+            return
+        for p in model.vocab_parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            embedding.all_reduce(p.grad, site="embedding_grads", phase="backward")
+
+
+@dataclass
+class _Held:
+    """What one (microbatch, chunk) keeps between its forward and its last backward action."""
+
+    input: Optional[torch.Tensor]                # received activations (leaf) or None on stage 0
+    output: Optional[torch.Tensor]               # activations sent on, or the scaled loss (last stage)
+    grad_output: Optional[torch.Tensor] = None   # received gradient of ``output``
+    input_grad: Optional[torch.Tensor] = None    # to be sent to the previous stage
+    released: bool = False                       # graph freed (backward done)
+
+
+@dataclass
+class StepState:
+    """A snapshot of one rank's executor for notebooks (see :meth:`PipelineExecutor.state`)."""
+
+    rank: int
+    pp_rank: int
+    index: int
+    total: int
+    next_action: Optional[str]
+    held: dict = field(default_factory=dict)
+    loss: Optional[float] = None
+
+
+class PipelineExecutor:
+    """Runs this rank's actions of ``schedule`` with ``chunks`` (its model chunks, by chunk index).
+
+    Args:
+        schedule: the plan (validated here; must have ``stages == topology.pp``).
+        chunks: this rank's model chunks, ``len(chunks) == schedule.chunks``.
+        groups: this rank's process groups (p2p goes over ``groups.pp``).
+        tracer: where actions and messages are recorded (default: the groups' tracer, if any).
+    """
+
+    def __init__(self, *, schedule: Schedule, chunks: Sequence[GPT], groups: ProcessGroups, tracer=None):
+        validate(schedule)
+        if schedule.stages != groups.topology.pp:
+            raise ScheduleError(f"schedule has stages={schedule.stages} but the topology has pp={groups.topology.pp}")
+        if len(chunks) != schedule.chunks:
+            raise ScheduleError(f"schedule has chunks={schedule.chunks} but this rank holds {len(chunks)} model chunks")
+        self.schedule, self.chunks, self.groups = schedule, list(chunks), groups
+        self.pp_rank = groups.coords.pp
+        self.actions: tuple[Action, ...] = schedule.actions[self.pp_rank]
+        self.tracer = tracer if tracer is not None else groups.pp.tracer
+        self._nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+        self.index = len(self.actions)  # no step in progress
+        self._reset()
+
+    # ---------------------------------------------------------------------- step control
+    def _reset(self) -> None:
+        self._held: dict[tuple[int, int], _Held] = {}
+        self._recv: dict[tuple[str, int, int], tuple[torch.Tensor, object, float]] = {}
+        self._sends: list[tuple[object, torch.Tensor]] = []    # posted isends, waited at step end
+        self._losses: list[torch.Tensor] = []
+        self._inbox: dict[tuple, torch.Tensor] = {}   # received tensors not yet consumed
+
+    def start_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
+        """Begin a step on the batch ``tokens``/``targets`` ``[m * b_mb, s]`` (split into m microbatches).
+
+        Every rank of a pipeline passes the same batch; the first stage reads the tokens, the last
+        the targets.
+        """
+        m = self.schedule.microbatches
+        if tokens.shape[0] % m:
+            raise ValueError(f"batch of {tokens.shape[0]} samples does not split into microbatches={m}")
+        dev = self.groups.device
+        self._tokens = [t.to(dev) for t in tokens.chunk(m)]
+        self._targets = [t.to(dev) for t in targets.chunk(m)]
+        self._mb_size = tokens.shape[0] // m
+        self._seq = tokens.shape[1]
+        self._reset()
+        self.index = 0
+
+    @property
+    def done(self) -> bool:
+        return self.index >= len(self.actions)
+
+    def step_action(self) -> Optional[Action]:
+        """Execute this rank's next action; return it (``None`` when the step is over).
+
+        A receive blocks until its message arrives. A driver stepping all ranks in lockstep steps a
+        rank only when its next action can complete (see :class:`mlmkit.pipeline.ScheduleCursor`),
+        so no rank ever blocks.
+        """
+        if self.done:
+            return None
+        a = self.actions[self.index]
+        if self._nccl and a.kind in _COMM:
+            a = self._run_comm_batch()
+            if self.done:
+                self._finish_step()
+            return a
+        start = time.perf_counter()
+        if a.kind in ("RECV_ACT", "RECV_GRAD"):
+            self._finish_recv(a)
+        elif a.kind in ("SEND_ACT", "SEND_GRAD"):
+            self._send(a)
+        elif a.kind == "F":
+            self._forward(a)
+        elif a.kind == "B":
+            self._backward(a)
+        else:
+            self._weight(a)
+        if self.tracer is not None and a.kind in ("F", "B", "W"):
+            self.tracer.record_event(action=a.kind, microbatch=a.microbatch, chunk=a.chunk,
+                                     start=start, end=time.perf_counter())
+        self.index += 1
+        if self.done:
+            self._finish_step()
+        return a
+
+    def run_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> Optional[float]:
+        """A whole step: every action, then gradient finalisation. Returns the mean microbatch loss
+        on the rank holding the last virtual stage, ``None`` elsewhere."""
+        self.start_step(tokens, targets)
+        while not self.done:
+            self.step_action()
+        return self.loss
+
+    @property
+    def loss(self) -> Optional[float]:
+        if not self._losses:
+            return None
+        return float(torch.stack(self._losses).sum())  # each is loss_mb / m already
+
+    def state(self) -> StepState:
+        """Where this rank is: next action, and the activations it holds with their shapes."""
+        held = {}
+        for (mb, c), h in sorted(self._held.items()):
+            if h.released:
+                continue
+            key = f"mb{mb}" + (f".chunk{c}" if self.schedule.chunks > 1 else "")
+            held[key] = {"input": tuple(h.input.shape) if h.input is not None else None,
+                         "output": tuple(h.output.shape)}
+        nxt = str(self.actions[self.index]) if not self.done else None
+        return StepState(rank=self.groups.rank, pp_rank=self.pp_rank, index=self.index, total=len(self.actions),
+                         next_action=nxt, held=held, loss=self.loss if self.done else None)
+
+    # ---------------------------------------------------------------------- communication
+    def _key(self, a: Action) -> tuple[str, int, int]:
+        # (what, microbatch, sending virtual stage): the identity of the message.
+        vs = self.schedule.virtual_stage(self.pp_rank, a.chunk)
+        return {
+            "SEND_ACT": ("act", a.microbatch, vs), "RECV_ACT": ("act", a.microbatch, vs - 1),
+            "SEND_GRAD": ("grad", a.microbatch, vs), "RECV_GRAD": ("grad", a.microbatch, vs + 1),
+        }[a.kind]
+
+    def _tag(self, key: tuple[str, int, int]) -> int:
+        what, mb, vs = key
+        return ((0 if what == "act" else 1) * self.schedule.virtual_stages + vs) * self.schedule.microbatches + mb
+
+    def _shape(self) -> tuple[int, int, int]:
+        cfg, t = self.chunks[0].config, self.groups.tp.size
+        s = self._seq // t if self.chunks[0].sequence_parallel else self._seq
+        return (s, self._mb_size, cfg.hidden)
+
+    def _peer(self, a: Action) -> int:
+        return self.groups.pp.ranks[a.peer]
+
+    def _post_recv(self, a: Action) -> None:
+        key = self._key(a)
+        if key in self._recv:
+            return
+        buf = torch.empty(self._shape(), device=self.groups.device)
+        work = dist.irecv(buf, src=self._peer(a), group=self.groups.pp.pg, tag=self._tag(key))
+        self._recv[key] = (buf, work, time.perf_counter())
+
+    def _run_comm_batch(self) -> Action:
+        # NCCL: post this and the following consecutive communication actions as one batch
+        # (Megatron-LM's send_forward_recv_backward & co.), then wait for all of them.
+        ops, recvs, first = [], [], self.actions[self.index]
+        while not self.done and self.actions[self.index].kind in _COMM:
+            a = self.actions[self.index]
+            if a.kind.startswith("RECV"):
+                buf = torch.empty(self._shape(), device=self.groups.device)
+                ops.append(dist.P2POp(dist.irecv, buf, self._peer(a), self.groups.pp.pg))
+                recvs.append((a, buf))
+            else:
+                tensor = self._take_send_tensor(a)
+                ops.append(dist.P2POp(dist.isend, tensor, self._peer(a), self.groups.pp.pg))
+            self.index += 1
+        t0 = time.perf_counter()
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        for a, buf in recvs:
+            self._trace_p2p("recv", a, buf, t0)
+            self._inbox[("act" if a.kind == "RECV_ACT" else "grad", a.microbatch, a.chunk)] = buf
+        return first
+
+    def _finish_recv(self, a: Action) -> None:
+        # gloo's irecv work never reports completion before wait(), so receives are waited here.
+        self._post_recv(a)
+        key = self._key(a)
+        buf, work, t0 = self._recv.pop(key)
+        work.wait()
+        self._trace_p2p("recv", a, buf, t0)
+        self._inbox[("act" if a.kind == "RECV_ACT" else "grad", a.microbatch, a.chunk)] = buf
+
+    def _take_send_tensor(self, a: Action) -> torch.Tensor:
+        h = self._held[(a.microbatch, a.chunk)]
+        if a.kind == "SEND_ACT":
+            tensor = h.output.detach().contiguous()
+        else:
+            tensor, h.input_grad = h.input_grad.contiguous(), None
+            if h.released:
+                del self._held[(a.microbatch, a.chunk)]
+        if self.tracer is not None:
+            self._trace_p2p("send", a, tensor, time.perf_counter())
+        return tensor
+
+    def _send(self, a: Action) -> None:
+        tensor = self._take_send_tensor(a)
+        work = dist.isend(tensor, dst=self._peer(a), group=self.groups.pp.pg, tag=self._tag(self._key(a)))
+        self._sends.append((work, tensor))
+
+    def _trace_p2p(self, op: str, a: Action, tensor: torch.Tensor, t0: float) -> None:
+        tr = self.tracer
+        if tr is not None and tr.enabled:
+            nbytes = tensor.numel() * tensor.element_size()
+            tr.record_comm(op=op, axis="pp", ranks=(self.groups.rank, self._peer(a)), nbytes=nbytes,
+                           wire_bytes=nbytes if op == "send" else 0, start=t0, end=time.perf_counter(),
+                           site=f"pipeline.{a.kind.lower()}", phase="forward" if "ACT" in a.kind else "backward")
+
+    # ---------------------------------------------------------------------- compute
+    def _forward(self, a: Action) -> None:
+        model, mb = self.chunks[a.chunk], a.microbatch
+        if model.stage.pre_process:
+            x, inp = self._tokens[mb], None                                   # [b_mb, s] token ids
+        else:
+            inp = x = self._inbox.pop(("act", mb, a.chunk)).requires_grad_(True)  # [s, b_mb, h]
+        if model.stage.post_process:
+            out = model(x, self._targets[mb]) / self.schedule.microbatches     # scalar loss / m
+            self._losses.append(out.detach())
+        else:
+            out = model(x)                                                     # [s, b_mb, h]
+        self._held[(mb, a.chunk)] = _Held(input=inp, output=out)
+
+    def _backward(self, a: Action) -> None:
+        key = (a.microbatch, a.chunk)
+        h = self._held[key]
+        if not self.chunks[a.chunk].stage.post_process:
+            h.grad_output = self._inbox.pop(("grad", a.microbatch, a.chunk))
+        if self.schedule.split_backward:
+            # Input gradient only (what the previous stage waits for); the graph is kept for W.
+            if h.input is not None:
+                (h.input_grad,) = torch.autograd.grad(h.output, h.input, grad_outputs=h.grad_output,
+                                                      retain_graph=True)
+            return
+        torch.autograd.backward(h.output, grad_tensors=h.grad_output)
+        h.input_grad = h.input.grad if h.input is not None else None
+        self._release(key)
+
+    def _weight(self, a: Action) -> None:
+        key = (a.microbatch, a.chunk)
+        h = self._held[key]
+        params = [p for p in self.chunks[a.chunk].parameters() if p.requires_grad]
+        torch.autograd.backward(h.output, grad_tensors=h.grad_output, inputs=params)
+        self._release(key)
+
+    def _release(self, key: tuple[int, int]) -> None:
+        # The graph and activations of this microbatch are no longer needed; an input gradient
+        # that still has to be sent is kept until its SEND_GRAD.
+        h = self._held[key]
+        h.input = h.output = h.grad_output = None
+        h.released = True
+        if h.input_grad is None:
+            del self._held[key]
+
+    def _finish_step(self) -> None:
+        for work, _ in self._sends:
+            work.wait()
+        self._sends.clear()
+        self._held.clear()
+        for model in self.chunks:
+            sync_sequence_parallel_grads(model, self.groups.tp)
+        sync_embedding_grads(self.chunks, self.groups.embedding)
