@@ -60,7 +60,9 @@ class _CopyToTP(torch.autograd.Function):
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, site):
-        return group.all_reduce(x.clone(), site=site, phase="forward")
+        # In place, as Megatron-LM does: x is a fresh matmul output nobody else holds.
+        ctx.mark_dirty(x)
+        return group.all_reduce(x, site=site, phase="forward")
 
     @staticmethod
     def backward(ctx, grad):
