@@ -163,7 +163,7 @@ def _run_once(fn, world_size, args, kwargs, timeout_s, collective_timeout_s, thr
                 rank = None
             if rank is not None:
                 if status == "error":
-                    _raise_first_failure({rank: payload}, results)
+                    _raise_first_failure({rank: payload}, results, procs, done)
                 done[rank] = pickle.loads(payload)
                 continue
             for r, p in enumerate(procs):
@@ -176,7 +176,7 @@ def _run_once(fn, world_size, args, kwargs, timeout_s, collective_timeout_s, thr
                             r, f"process exited with code {p.exitcode} without a result "
                                f"(killed, crashed or called os._exit)", exitcode=p.exitcode) from None
                     if status == "error":
-                        _raise_first_failure({rank: payload}, results)
+                        _raise_first_failure({rank: payload}, results, procs, done)
                     done[rank] = pickle.loads(payload)
                     break
             if time.monotonic() > deadline:
@@ -202,11 +202,12 @@ def _run_once(fn, world_size, args, kwargs, timeout_s, collective_timeout_s, thr
             pass
 
 
-def _raise_first_failure(errors: dict, results, grace_s: float = 0.3) -> None:
-    """Wait ``grace_s`` for more failures, then raise for the one that happened first.
+def _raise_first_failure(errors: dict, results, procs, done, grace_s: float = 0.5) -> None:
+    """Wait ``grace_s`` for more failures, then raise for the one that caused the others.
 
-    A rank that raises makes its peers fail too (their collective loses its partner); the earliest
-    exception is the cause, the rest are consequences, kept in ``RankFailure.others``.
+    A rank that raises or dies makes its peers fail too (their collective loses its partner). A
+    process that died without reporting (killed, crashed, ``os._exit``) is the cause; otherwise the
+    earliest exception is. The rest are kept in ``RankFailure.others``.
     """
     end = time.monotonic() + grace_s
     while time.monotonic() < end:
@@ -216,6 +217,14 @@ def _raise_first_failure(errors: dict, results, grace_s: float = 0.3) -> None:
             break
         if status == "error":
             errors[rank] = payload
+    silent = [r for r, p in enumerate(procs) if r not in errors and r not in done
+              and p.exitcode is not None and p.exitcode != 0]
+    if silent:
+        r = silent[0]
+        err = RankFailure(r, f"process exited with code {procs[r].exitcode} without a result "
+                             f"(killed, crashed or called os._exit)", exitcode=procs[r].exitcode)
+        err.others = {k: tb for k, (_, tb) in errors.items()}
+        raise err
     first = min(errors, key=lambda r: (errors[r][0], r))
     err = RankFailure(first, errors[first][1])
     err.others = {r: tb for r, (_, tb) in errors.items() if r != first}

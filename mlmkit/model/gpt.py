@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from mlmkit.distributed import CommGroup
 from mlmkit.model.config import GPTConfig
@@ -181,8 +182,9 @@ class TransformerLayer(nn.Module):
     """Pre-LayerNorm block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``. Shape kept: ``[s, b, h]``."""
 
     def __init__(self, config: GPTConfig, *, layer: int, tp: CommGroup, sequence_parallel: bool,
-                 rng: TPRandomState, device=None):
+                 rng: TPRandomState, recompute: bool = False, device=None):
         super().__init__()
+        self.rng, self.recompute = rng, recompute
         kw = dict(eps=config.layernorm_eps, sequence_parallel=sequence_parallel, device=device)
         self.ln1 = LayerNorm(config.hidden, **kw)
         self.attn = ParallelAttention(config, layer=layer, tp=tp, sequence_parallel=sequence_parallel,
@@ -191,9 +193,31 @@ class TransformerLayer(nn.Module):
         self.mlp = ParallelMLP(config, layer=layer, tp=tp, sequence_parallel=sequence_parallel, rng=rng,
                                device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.recompute and self.training and torch.is_grad_enabled()):
+            return self._forward(x)
+        # Activation recomputation (Chen et al. 2016; Korthikanti et al. 2022 "full" recompute per
+        # layer): keep only the layer input, run the layer again during backward. The dropout
+        # streams are rewound for the rerun so it draws the same masks.
+        state = self.rng.get_state()
+        calls = []
+
+        def run(inp: torch.Tensor) -> torch.Tensor:
+            if calls:  # recomputation during backward
+                now = self.rng.get_state()
+                self.rng.set_state(state)
+                try:
+                    return self._forward(inp)
+                finally:
+                    self.rng.set_state(now)
+            calls.append(1)
+            return self._forward(inp)
+
+        return checkpoint(run, x, use_reentrant=False)
 
 
 # ------------------------------------------------------------------------------------------ the model
@@ -205,6 +229,7 @@ class GPT(nn.Module):
         tp: the tensor-parallel group (``None``: serial, tp=1).
         stage: which layers and ends this module holds (``None``: the whole model).
         sequence_parallel: split LayerNorm and dropout regions along the sequence.
+        recompute: recompute each Transformer layer in backward instead of keeping its activations.
         device: where parameters live.
 
     forward(x, targets=None):
@@ -215,7 +240,7 @@ class GPT(nn.Module):
     """
 
     def __init__(self, config: GPTConfig, *, tp: Optional[CommGroup] = None, stage: Optional[Stage] = None,
-                 sequence_parallel: bool = False, device=None):
+                 sequence_parallel: bool = False, recompute: bool = False, device=None):
         super().__init__()
         tp = tp or _single_group()
         stage = stage or Stage.whole(config)
@@ -234,7 +259,8 @@ class GPT(nn.Module):
             self.position = mark_parameter(nn.Parameter(pos.to(device)), split_dim=None,
                                            global_shape=(config.seq_len, h), sequence_parallel=sp)
         self.layers = nn.ModuleDict({
-            str(i): TransformerLayer(config, layer=i, tp=tp, sequence_parallel=sp, rng=self.rng, device=device)
+            str(i): TransformerLayer(config, layer=i, tp=tp, sequence_parallel=sp, rng=self.rng,
+                                     recompute=recompute, device=device)
             for i in stage.layers
         })
         if stage.post_process:

@@ -50,7 +50,7 @@ _COMM = ("SEND_ACT", "SEND_GRAD", "RECV_ACT", "RECV_GRAD")
 
 def build_model_chunks(config: GPTConfig, *, groups: ProcessGroups, chunks: int = 1,
                        layers_per_stage: Optional[Sequence[int]] = None,
-                       sequence_parallel: bool = False) -> list[GPT]:
+                       sequence_parallel: bool = False, recompute: bool = False) -> list[GPT]:
     """This rank's model chunks: chunk ``c`` is virtual stage ``c * p + pp_rank`` of ``p * chunks``.
 
     ``layers_per_stage`` lists the layer count of each virtual stage (default: as even as possible).
@@ -64,7 +64,7 @@ def build_model_chunks(config: GPTConfig, *, groups: ProcessGroups, chunks: int 
         stage = Stage(layers=layout[vs], pre_process=vs == 0, post_process=vs == p * chunks - 1,
                       index=vs, pp_rank=r)
         out.append(GPT(config, tp=groups.tp, stage=stage, sequence_parallel=sequence_parallel,
-                       device=groups.device))
+                       recompute=recompute, device=groups.device))
     return out
 
 

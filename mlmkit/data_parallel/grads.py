@@ -1,0 +1,105 @@
+"""Data-parallel gradient averaging in buckets, and global gradient-norm clipping across tp, pp, dp.
+
+After backward, every model replica (dp rank) holds gradients of its own slice of the batch. They
+are averaged over the dp group with all-reduces of flat *buckets* of gradients (at most
+``bucket_bytes`` each, parameters in reverse order as Megatron-LM and DDP do, so a bucket holds
+neighbouring layers). Fewer, larger messages pay the per-message latency less often.
+
+Gradient-norm clipping must count every parameter element exactly once in the whole job:
+
+- a TP-split parameter: each TP rank holds a distinct slice, all counted;
+- a replicated parameter (LayerNorm, row-parallel bias, position embedding): counted on TP rank 0 only;
+- the last pipeline stage's copy of a tied word embedding: not counted (the first stage's is);
+- data-parallel replicas hold identical (averaged) gradients: counted once (the sum over the world
+  is divided by dp).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from mlmkit.distributed import CommGroup, ProcessGroups
+
+__all__ = ["allreduce_gradients", "bucketize", "clip_grad_norm", "counted_once"]
+
+
+def bucketize(params: Sequence[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+    """Split ``params`` (in the given order) into consecutive buckets of at most ``bucket_bytes``
+    (a parameter larger than a bucket gets a bucket of its own)."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1")
+    buckets, current, size = [], [], 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if current and size + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def allreduce_gradients(params: Iterable[nn.Parameter], dp: CommGroup, *, bucket_bytes: int = 25 * 2**20) -> int:
+    """Average gradients over the dp group, one all-reduce per bucket. Returns the number of buckets.
+
+    forward/backward: not an autograd op; call it after backward, before the optimizer step.
+    """
+    params = [p for p in params if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    if dp.size == 1:
+        return 0
+    buckets = bucketize(list(reversed(params)), bucket_bytes)
+    for i, bucket in enumerate(buckets):
+        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+        dp.all_reduce(flat, site=f"dp_grads.bucket{i}", phase="backward")
+        flat.div_(dp.size)
+        offset = 0
+        for p in bucket:
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+    return len(buckets)
+
+
+def counted_once(param: nn.Parameter, groups: ProcessGroups) -> bool:
+    """Whether this rank's copy of ``param`` counts towards the global gradient norm (module docstring)."""
+    if getattr(param, "shared_embedding", False) and groups.topology.pp > 1:
+        return False
+    if getattr(param, "tp_split_dim", None) is None and groups.coords.tp != 0:
+        return False
+    return True
+
+
+def clip_grad_norm(params: Sequence[nn.Parameter], groups: ProcessGroups, *, max_norm: float,
+                   local_sumsq: torch.Tensor | None = None) -> float:
+    """Clip gradients in place to a global L2 norm of ``max_norm``; return the norm before clipping.
+
+    Collective over the world. ``local_sumsq`` lets a sharded optimizer pass its own sum of squares
+    (already counted once per element across dp); otherwise it is computed from ``params`` and the
+    world sum is divided by dp, since replicas hold identical gradients.
+    Same rule as ``torch.nn.utils.clip_grad_norm_``: scale by ``max_norm / (norm + 1e-6)`` if < 1.
+    """
+    if local_sumsq is None:
+        sq = torch.zeros((), dtype=torch.float64, device=groups.device)
+        for p in params:
+            if p.grad is not None and counted_once(p, groups):
+                sq += p.grad.detach().double().pow(2).sum()
+        groups.world.all_reduce(sq, site="grad_norm")
+        total = sq / groups.topology.dp
+    else:
+        total = local_sumsq.double().clone()
+        groups.world.all_reduce(total, site="grad_norm")
+    norm = math.sqrt(float(total))
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return norm

@@ -1,0 +1,93 @@
+"""Batch entry point: ``torchrun --nproc-per-node N -m mlmkit.train [--config run.json] [flags]``.
+
+Runs the same Trainer as the notebooks. Without ``--config`` it trains the quickstart model
+(:func:`mlmkit.train.demo_config`). Flags override config fields. The world size (from torchrun)
+must equal tp*pp*dp. Under Slurm, see ``cluster/slurm_train.sbatch``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from mlmkit.train.config import TrainConfig, demo_config
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="python -m mlmkit.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="JSON file with TrainConfig fields (model as a nested object)")
+    for name in ("tp", "pp", "dp", "chunks", "micro-batch-size", "global-batch-size", "max-steps", "warmup-steps"):
+        p.add_argument(f"--{name}", type=int)
+    for name in ("lr", "min-lr", "grad-clip", "weight-decay"):
+        p.add_argument(f"--{name}", type=float)
+    p.add_argument("--schedule")
+    p.add_argument("--zero1", action="store_true", default=None)
+    p.add_argument("--sequence-parallel", action="store_true", default=None)
+    p.add_argument("--recompute", action="store_true", default=None)
+    p.add_argument("--steps", type=int, help="steps to run now (default: up to max_steps)")
+    p.add_argument("--save-dir", help="write a checkpoint here at the end (and every --save-every steps)")
+    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--load", help="resume from this checkpoint (any layout)")
+    p.add_argument("--metrics-out", help="write per-step metrics as CSV (rank 0)")
+    return p.parse_args(argv)
+
+
+def build_config(args) -> TrainConfig:
+    cfg = TrainConfig.from_file(args.config) if args.config else demo_config()
+    overrides = {}
+    for field in ("tp", "pp", "dp", "chunks", "micro_batch_size", "global_batch_size", "max_steps", "warmup_steps",
+                  "lr", "min_lr", "grad_clip", "weight_decay", "schedule", "zero1", "sequence_parallel", "recompute"):
+        value = getattr(args, field)
+        if value is not None:
+            overrides[field] = value
+    return cfg.replace(**overrides) if overrides else cfg
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    cfg = build_config(args)  # bad configs fail here, before any process group exists
+    import torch
+
+    from mlmkit.distributed import ProcessGroups, init_distributed
+    from mlmkit.train.checkpoint import load_checkpoint, save_checkpoint
+    from mlmkit.train.trainer import Trainer
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg.topology.check_world_size(world)
+    rank = int(os.environ.get("RANK", "0"))
+    if "MASTER_ADDR" in os.environ:
+        init_distributed(rank=rank, world_size=world, init_method="env://")
+        if not torch.cuda.is_available():
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+        groups = ProcessGroups.build(cfg.topology)
+    else:
+        groups = ProcessGroups.single()
+    trainer = Trainer(cfg, groups=groups)
+    if args.load:
+        load_checkpoint(trainer, args.load)
+    steps = args.steps if args.steps is not None else cfg.max_steps - trainer.step
+    if rank == 0:
+        print(f"mlmkit.train: {cfg.topology!r}, schedule={cfg.schedule}, microbatches={cfg.microbatches}, "
+              f"steps {trainer.step}..{trainer.step + steps - 1}, device={groups.device}", flush=True)
+    for _ in range(steps):
+        row = trainer.train_step()
+        if rank == 0:
+            print(json.dumps({k: round(v, 6) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        if args.save_dir and args.save_every and trainer.step % args.save_every == 0:
+            save_checkpoint(trainer, args.save_dir)
+    if args.save_dir:
+        path = save_checkpoint(trainer, args.save_dir)
+        if rank == 0:
+            print(f"checkpoint: {path}", flush=True)
+    if rank == 0 and args.metrics_out:
+        trainer.metrics().to_csv(args.metrics_out, index=False)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""TrainConfig: one validated object for a training run, shared by notebooks and `torchrun -m mlmkit.train`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Optional
+
+from mlmkit.model.config import GPTConfig
+from mlmkit.pipeline.schedule import SCHEDULES, make_schedule
+from mlmkit.topology import Topology
+
+__all__ = ["TrainConfig", "demo_config"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything a run needs; invalid combinations raise ValueError on construction.
+
+    ``global_batch_size = micro_batch_size * microbatches * dp``: each step every dp replica takes
+    ``global_batch_size / dp`` samples, cut into ``microbatches`` microbatches of
+    ``micro_batch_size`` samples that flow through the pipeline schedule.
+    """
+
+    model: GPTConfig
+    """The model (its vocab_size must cover the tokenizer's: 256 for the byte tokenizer)."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    pp: int = 1
+    """Pipeline-parallel degree."""
+    dp: int = 1
+    """Data-parallel degree."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved-1f1b or zb-h1 (with pp=1 it is gradient accumulation)."""
+    chunks: int = 1
+    """Model chunks per pipeline rank (interleaved-1f1b)."""
+    micro_batch_size: int = 4
+    """Samples per microbatch."""
+    global_batch_size: int = 8
+    """Samples per optimizer step over all replicas."""
+    sequence_parallel: bool = False
+    """Split LayerNorm/dropout regions along the sequence (needs tp > 1 to matter)."""
+    recompute: bool = False
+    """Recompute each Transformer layer in backward (activation checkpointing)."""
+    zero1: bool = False
+    """Shard optimizer state over dp (ZeRO-1 / distributed optimizer)."""
+    bucket_bytes: int = 25 * 2**20
+    """Size of the dp gradient all-reduce buckets."""
+    lr: float = 3e-3
+    """Peak learning rate, reached after ``warmup_steps``."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 5
+    """Linear warm-up steps (from lr/warmup_steps at step 0 to lr)."""
+    max_steps: int = 50
+    """Steps of the cosine schedule (training may stop earlier)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay (applied to every parameter)."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value."""
+    seed: int = 0
+    """Seed of the data order."""
+    corpus: Optional[str] = None
+    """Text file to train on (default: the small corpus shipped in mlmkit/data)."""
+    tracing: bool = True
+    """Record per-rank traces (compute, communication)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, GPTConfig):
+            raise ValueError(f"TrainConfig.model must be a GPTConfig, got {type(self.model).__name__}")
+        topo = self.topology  # validates degrees
+        for name in ("micro_batch_size", "global_batch_size", "max_steps", "bucket_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"TrainConfig: {name}={v!r} must be an integer >= 1")
+        if self.warmup_steps < 0:
+            raise ValueError(f"TrainConfig: warmup_steps={self.warmup_steps} must be >= 0")
+        per_step = self.micro_batch_size * self.dp
+        if self.global_batch_size % per_step:
+            raise ValueError(
+                f"global_batch_size={self.global_batch_size} is not divisible by micro_batch_size x dp = "
+                f"{self.micro_batch_size} x {self.dp} = {per_step}; use a multiple of {per_step} "
+                f"(e.g. {max(per_step, self.global_batch_size // per_step * per_step)})."
+            )
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        self.model.check_parallel(tp=self.tp, pp=self.pp, chunks=self.chunks,
+                                  sequence_parallel=self.sequence_parallel)
+        make_schedule(self.schedule, stages=topo.pp, microbatches=self.microbatches, chunks=self.chunks,
+                      layers=self.model.layers)
+        if not 0 < self.lr or not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"TrainConfig: need 0 < lr and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
+
+    @property
+    def topology(self) -> Topology:
+        return Topology(tp=self.tp, pp=self.pp, dp=self.dp)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def microbatches(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    def replace(self, **changes) -> "TrainConfig":
+        """A copy with some fields changed (``model`` may be given as a dict of GPTConfig changes)."""
+        if isinstance(changes.get("model"), dict):
+            changes["model"] = replace(self.model, **changes["model"])
+        return replace(self, **changes)
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["model"] = self.model.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TrainConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"TrainConfig: unknown key(s) {unknown}; known keys are {sorted(known)}")
+        data = dict(data)
+        if "model" not in data:
+            raise ValueError("TrainConfig: the 'model' section is missing")
+        data["model"] = GPTConfig.from_dict(data["model"]) if isinstance(data["model"], dict) else data["model"]
+        return cls(**data)
+
+    @classmethod
+    def from_file(cls, path: str) -> "TrainConfig":
+        """Read a JSON file (same keys as the dataclass; ``model`` is a nested object)."""
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"config file {path}: not valid JSON ({err})") from None
+        try:
+            return cls.from_dict(data)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"config file {path}: {err}") from None
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=2)
+
+
+def demo_config(**overrides) -> TrainConfig:
+    """The quickstart run: a 4-layer byte-level GPT (hidden 64) on the shipped corpus, tp=2 x pp=2."""
+    model = GPTConfig(vocab_size=256, seq_len=32, hidden=64, heads=4, layers=4)
+    base = dict(model=model, tp=2, pp=2, dp=1, micro_batch_size=4, global_batch_size=16, max_steps=40,
+                warmup_steps=4, lr=3e-3, min_lr=3e-4)
+    base.update(overrides)
+    return TrainConfig(**base)
+

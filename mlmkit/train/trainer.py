@@ -1,0 +1,144 @@
+"""The Trainer: one rank's model chunks, pipeline executor, optimizer and data, step by step.
+
+The same object runs in a notebook engine (driven action by action by :mod:`mlmkit.cluster`), in
+the tests (through :func:`mlmkit.distributed.run_ranks`) and under ``torchrun -m mlmkit.train``.
+
+One step (:meth:`Trainer.train_step`):
+
+1. take this dp replica's slice of the global batch for the current step;
+2. run the pipeline schedule (forward and backward of every microbatch; gradients accumulate; the
+   executor finishes with the sequence-parallel and tied-embedding gradient sums);
+3. optimizer step: dp gradient average (bucketed all-reduce, or reduce-scatter with ZeRO-1),
+   global norm clipping, AdamW at the scheduled learning rate;
+4. metrics: the loss averaged over microbatches and replicas, gradient norm, step time, tokens/s.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+from mlmkit.data_parallel import make_optimizer
+from mlmkit.distributed import ProcessGroups
+from mlmkit.pipeline import make_schedule
+from mlmkit.pipeline.executor import PipelineExecutor, build_model_chunks
+from mlmkit.train.config import TrainConfig
+from mlmkit.train.data import TextData
+from mlmkit.train.lr import lr_at
+
+__all__ = ["Trainer"]
+
+
+class Trainer:
+    """Training on one rank. Collective: every rank of the job builds one and steps it together.
+
+    Args:
+        config: the run (validated).
+        groups: this rank's process groups (their topology must equal ``config.topology``).
+        tracer: records actions and collectives (default: the groups' tracer).
+    """
+
+    def __init__(self, config: TrainConfig, *, groups: ProcessGroups, tracer=None):
+        if groups.topology != config.topology:
+            raise ValueError(f"process groups are built for {groups.topology!r} but the config asks for "
+                             f"{config.topology!r}")
+        self.config, self.groups = config, groups
+        torch.manual_seed(config.seed)
+        self.chunks = build_model_chunks(config.model, groups=groups, chunks=config.chunks,
+                                         sequence_parallel=config.sequence_parallel, recompute=config.recompute)
+        self.schedule = make_schedule(config.schedule, stages=config.pp, microbatches=config.microbatches,
+                                      chunks=config.chunks, layers=config.model.layers)
+        self.executor = PipelineExecutor(schedule=self.schedule, chunks=self.chunks, groups=groups, tracer=tracer)
+        named = [(n, p) for c in self.chunks for n, p in c.named_parameters()]
+        self.optimizer = make_optimizer(
+            named, groups, zero1=config.zero1, bucket_bytes=config.bucket_bytes,
+            betas=(config.beta1, config.beta2), eps=config.eps, weight_decay=config.weight_decay,
+            max_grad_norm=config.grad_clip)
+        self.data = TextData(seq_len=config.model.seq_len, path=config.corpus, seed=config.seed)
+        self.step = 0
+        self.history: list[dict] = []
+        self._t0: Optional[float] = None
+
+    # ------------------------------------------------------------------ stepping
+    def lr(self, step: Optional[int] = None) -> float:
+        c = self.config
+        return lr_at(self.step if step is None else step, lr=c.lr, min_lr=c.min_lr,
+                     warmup_steps=c.warmup_steps, max_steps=c.max_steps)
+
+    def begin_step(self) -> None:
+        """Load this step's batch into the executor; then call ``executor.step_action()`` repeatedly."""
+        c = self.config
+        tokens, targets = self.data.replica_batch(self.step, global_batch=c.global_batch_size,
+                                                  dp_rank=self.groups.coords.dp, dp=c.dp)
+        for model in self.chunks:
+            model.train()
+        self.optimizer.zero_grad()
+        self._t0 = time.perf_counter()
+        self.executor.start_step(tokens, targets)
+
+    def finish_step(self) -> dict:
+        """After the schedule ran: optimizer step and metrics (collective over the world)."""
+        if not self.executor.done:
+            raise RuntimeError(f"the schedule is not finished ({self.executor.state().next_action} is next)")
+        loss = self._mean_loss()
+        lr = self.lr()
+        grad_norm = self.optimizer.step(lr=lr)
+        elapsed = time.perf_counter() - (self._t0 or time.perf_counter())
+        tokens = self.config.global_batch_size * self.config.model.seq_len
+        row = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time": elapsed,
+               "tokens_per_s": tokens / elapsed if elapsed > 0 else float("nan")}
+        self.history.append(row)
+        self.step += 1
+        return row
+
+    def train_step(self) -> dict:
+        """One whole optimizer step; returns its metrics."""
+        self.begin_step()
+        while not self.executor.done:
+            self.executor.step_action()
+        return self.finish_step()
+
+    def fit(self, steps: Optional[int] = None, *, progress: bool = True):
+        """Train ``steps`` steps (default: up to ``config.max_steps``); returns the metrics DataFrame.
+
+        A progress bar (tqdm.auto: a widget in notebooks, text elsewhere) is shown on global rank 0.
+        """
+        steps = self.config.max_steps - self.step if steps is None else steps
+        bar = None
+        if progress and self.groups.rank == 0:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=steps, desc="train", unit="step")
+        for _ in range(steps):
+            row = self.train_step()
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
+        if bar is not None:
+            bar.close()
+        return self.metrics()
+
+    def metrics(self):
+        """Per-step metrics as a DataFrame (step, loss, lr, grad_norm, step_time, tokens_per_s)."""
+        import pandas as pd
+
+        return pd.DataFrame(self.history, columns=["step", "loss", "lr", "grad_norm", "step_time", "tokens_per_s"])
+
+    def _mean_loss(self) -> float:
+        # The last pipeline stage holds the loss (identical on its TP ranks); average over replicas.
+        mine = self.executor.loss
+        value = mine if (mine is not None and self.groups.coords.tp == 0) else 0.0
+        t = torch.tensor([value], dtype=torch.float64, device=self.groups.device)
+        self.groups.world.all_reduce(t, site="loss")
+        return float(t) / self.config.dp
+
+    def named_parameters(self):
+        for c in self.chunks:
+            yield from c.named_parameters()
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"Trainer(rank={self.groups.rank}, {c.topology!r}, schedule={c.schedule}, step={self.step}, "
+                f"zero1={c.zero1}, sp={c.sequence_parallel}, recompute={c.recompute})")
