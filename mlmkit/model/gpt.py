@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from mlmkit.distributed import CommGroup
 from mlmkit.model.config import GPTConfig
@@ -178,6 +178,20 @@ class ParallelMLP(nn.Module):
         return dropout(y, self.dropout_p, generator=gen, training=self.training)
 
 
+class _KeepInput(torch.autograd.Function):
+    """Identity that saves its input for backward, as recomputation does. It makes the one tensor a
+    recomputed layer keeps visible to saved-tensor hooks (memory accounting), at no numerical cost."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
 class TransformerLayer(nn.Module):
     """Pre-LayerNorm block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``. Shape kept: ``[s, b, h]``."""
 
@@ -217,7 +231,10 @@ class TransformerLayer(nn.Module):
             calls.append(1)
             return self._forward(inp)
 
-        return checkpoint(run, x, use_reentrant=False)
+        # No early stop: the rerun repeats the whole layer, its two forward collectives included,
+        # so communication stays predictable (mlmkit.estimate counts them).
+        with set_checkpoint_early_stop(False):
+            return checkpoint(run, _KeepInput.apply(x), use_reentrant=False)
 
 
 # ------------------------------------------------------------------------------------------ the model

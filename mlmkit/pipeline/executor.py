@@ -30,6 +30,7 @@ validation checks, and consecutive communication actions are posted as one batch
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -118,9 +119,12 @@ class PipelineExecutor:
         chunks: this rank's model chunks, ``len(chunks) == schedule.chunks``.
         groups: this rank's process groups (p2p goes over ``groups.pp``).
         tracer: where actions and messages are recorded (default: the groups' tracer, if any).
+        memory: a :class:`mlmkit.trace.memory.MemoryTracker`: counts saved activations during
+            forwards and records a memory row after every compute action.
     """
 
-    def __init__(self, *, schedule: Schedule, chunks: Sequence[GPT], groups: ProcessGroups, tracer=None):
+    def __init__(self, *, schedule: Schedule, chunks: Sequence[GPT], groups: ProcessGroups, tracer=None,
+                 memory=None):
         validate(schedule)
         if schedule.stages != groups.topology.pp:
             raise ScheduleError(f"schedule has stages={schedule.stages} but the topology has pp={groups.topology.pp}")
@@ -130,6 +134,7 @@ class PipelineExecutor:
         self.pp_rank = groups.coords.pp
         self.actions: tuple[Action, ...] = schedule.actions[self.pp_rank]
         self.tracer = tracer if tracer is not None else groups.pp.tracer
+        self.memory = memory
         self._nccl = dist.is_initialized() and dist.get_backend() == "nccl"
         self.index = len(self.actions)  # no step in progress
         self._reset()
@@ -189,9 +194,12 @@ class PipelineExecutor:
             self._backward(a)
         else:
             self._weight(a)
-        if self.tracer is not None and a.kind in ("F", "B", "W"):
-            self.tracer.record_event(action=a.kind, microbatch=a.microbatch, chunk=a.chunk,
-                                     start=start, end=time.perf_counter())
+        if a.kind in ("F", "B", "W"):
+            if self.tracer is not None:
+                self.tracer.record_event(action=a.kind, microbatch=a.microbatch, chunk=a.chunk,
+                                         start=start, end=time.perf_counter())
+            if self.memory is not None:
+                self.memory.record(action=a.kind, microbatch=a.microbatch, chunk=a.chunk)
         self.index += 1
         if self.done:
             self._finish_step()
@@ -316,11 +324,12 @@ class PipelineExecutor:
             x, inp = self._tokens[mb], None                                   # [b_mb, s] token ids
         else:
             inp = x = self._inbox.pop(("act", mb, a.chunk)).requires_grad_(True)  # [s, b_mb, h]
-        if model.stage.post_process:
-            out = model(x, self._targets[mb]) / self.schedule.microbatches     # scalar loss / m
-            self._losses.append(out.detach())
-        else:
-            out = model(x)                                                     # [s, b_mb, h]
+        with self.memory.saving() if self.memory is not None else contextlib.nullcontext():
+            if model.stage.post_process:
+                out = model(x, self._targets[mb]) / self.schedule.microbatches  # scalar loss / m
+                self._losses.append(out.detach())
+            else:
+                out = model(x)                                                  # [s, b_mb, h]
         self._held[(mb, a.chunk)] = _Held(input=inp, output=out)
 
     def _backward(self, a: Action) -> None:

@@ -27,6 +27,8 @@ from mlmkit.pipeline.executor import PipelineExecutor, build_model_chunks
 from mlmkit.train.config import TrainConfig
 from mlmkit.train.data import TextData
 from mlmkit.train.lr import lr_at
+from mlmkit.trace import Tracer
+from mlmkit.trace.memory import MemoryTracker
 
 __all__ = ["Trainer"]
 
@@ -45,17 +47,22 @@ class Trainer:
             raise ValueError(f"process groups are built for {groups.topology!r} but the config asks for "
                              f"{config.topology!r}")
         self.config, self.groups = config, groups
+        self.tracer = tracer or groups.world.tracer or Tracer(rank=groups.rank, enabled=config.tracing)
+        groups.set_tracer(self.tracer)
         torch.manual_seed(config.seed)
         self.chunks = build_model_chunks(config.model, groups=groups, chunks=config.chunks,
                                          sequence_parallel=config.sequence_parallel, recompute=config.recompute)
         self.schedule = make_schedule(config.schedule, stages=config.pp, microbatches=config.microbatches,
                                       chunks=config.chunks, layers=config.model.layers)
-        self.executor = PipelineExecutor(schedule=self.schedule, chunks=self.chunks, groups=groups, tracer=tracer)
         named = [(n, p) for c in self.chunks for n, p in c.named_parameters()]
         self.optimizer = make_optimizer(
             named, groups, zero1=config.zero1, bucket_bytes=config.bucket_bytes,
             betas=(config.beta1, config.beta2), eps=config.eps, weight_decay=config.weight_decay,
             max_grad_norm=config.grad_clip)
+        self.memory = (MemoryTracker(rank=groups.rank, params=[p for _, p in named], optimizer=self.optimizer)
+                       if config.tracing else None)
+        self.executor = PipelineExecutor(schedule=self.schedule, chunks=self.chunks, groups=groups,
+                                         tracer=self.tracer, memory=self.memory)
         self.data = TextData(seq_len=config.model.seq_len, path=config.corpus, seed=config.seed)
         self.step = 0
         self.history: list[dict] = []
@@ -85,6 +92,8 @@ class Trainer:
         loss = self._mean_loss()
         lr = self.lr()
         grad_norm = self.optimizer.step(lr=lr)
+        if self.memory is not None:
+            self.memory.record(action="optimizer", microbatch=-1)
         elapsed = time.perf_counter() - (self._t0 or time.perf_counter())
         tokens = self.config.global_batch_size * self.config.model.seq_len
         row = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time": elapsed,
@@ -125,6 +134,20 @@ class Trainer:
         import pandas as pd
 
         return pd.DataFrame(self.history, columns=["step", "loss", "lr", "grad_norm", "step_time", "tokens_per_s"])
+
+    def traces(self) -> dict:
+        """This rank's traces as DataFrames: ``events`` (schedule actions), ``comm``, ``memory``."""
+        import pandas as pd
+
+        from mlmkit.trace.memory import MEMORY_COLUMNS
+
+        return {"events": self.tracer.event_frame(), "comm": self.tracer.comm_frame(),
+                "memory": self.memory.frame() if self.memory is not None else pd.DataFrame(columns=MEMORY_COLUMNS)}
+
+    def clear_traces(self) -> None:
+        self.tracer.clear()
+        if self.memory is not None:
+            self.memory.clear()
 
     def _mean_loss(self) -> float:
         # The last pipeline stage holds the loss (identical on its TP ranks); average over replicas.

@@ -1,0 +1,107 @@
+"""Communication volume per rank and step, per axis, estimated in pure Python.
+
+Counts every message mlmkit's training step sends, as bytes this rank puts on the wire with ring
+algorithms (:func:`mlmkit.trace.ring_wire_bytes`: all-reduce ``2(n-1)/n N``, all-gather and
+reduce-scatter ``(n-1)/n N``, a point-to-point send ``N``), computed message by message so that it
+equals what the tracer measures:
+
+- ``tp``: per layer and microbatch, 4 all-reduces of ``[s, b, h]`` (f and g, forward and backward;
+  Shoeybi et al. 2019), or with sequence parallelism 4 all-gathers and 4 reduce-scatters of the same
+  tensors (Korthikanti et al. 2022); with recomputation each layer's 2 forward collectives run
+  again in backward; the embedding's reduction, the head's f, the vocab-parallel loss's three
+  ``[s, b]`` all-reduces; the sequence-parallel gradient sum once per step;
+- ``pp``: each microbatch's activations ``[s, b, h]`` (``[s/t, b, h]`` with SP) sent to the next
+  stage and its gradient sent back to the previous one;
+- ``dp``: the gradient all-reduce (bucketed), or ZeRO-1's reduce-scatter of gradients plus
+  all-gather of parameters (flat vector padded to a multiple of dp);
+- ``embedding``: the tied word embedding's gradient all-reduce between first and last stage;
+- ``world``: the gradient-norm and loss all-reduces (8 bytes each).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from mlmkit.estimate.params import local_parameters, stage_layout
+from mlmkit.model.config import GPTConfig
+from mlmkit.topology import Topology
+from mlmkit.trace.tracer import ring_wire_bytes
+
+__all__ = ["estimate_comm"]
+
+
+def _buckets(sizes: list[int], bucket_bytes: int) -> list[int]:
+    # Same rule as mlmkit.data_parallel.bucketize, on byte sizes.
+    out, cur = [], 0
+    for n in sizes:
+        if cur and cur + n > bucket_bytes:
+            out.append(cur)
+            cur = 0
+        cur += n
+    if cur:
+        out.append(cur)
+    return out
+
+
+def estimate_comm(model: GPTConfig, topology: Topology, *, micro_batch_size: int, microbatches: int,
+                  chunks: int = 1, sequence_parallel: bool = False, zero1: bool = False, recompute: bool = False,
+                  bucket_bytes: int = 25 * 2**20, element_bytes: int = 4,
+                  layers_per_stage: Optional[Sequence[int]] = None):
+    """Wire bytes per rank (rows) and axis (columns: tp, pp, dp, embedding, world) for one step."""
+    import pandas as pd
+
+    s, b, h, m, E = model.seq_len, micro_batch_size, model.hidden, microbatches, element_bytes
+    t, d, p = topology.tp, topology.dp, topology.pp
+    sp = sequence_parallel and t > 1
+    act = s * b * h * E                   # one [s, b, h] tensor
+    rows = []
+    for rank in range(topology.world_size):
+        c = topology.coords(rank)
+        vol = {"tp": 0, "pp": 0, "dp": 0, "embedding": 0, "world": 0}
+        stages = stage_layout(model, topology, pp_rank=c.pp, chunks=chunks, layers_per_stage=layers_per_stage)
+        params = local_parameters(model, topology, pp_rank=c.pp, chunks=chunks, sequence_parallel=sequence_parallel,
+                                  layers_per_stage=layers_per_stage)
+        if t > 1:
+            per_mb = 0
+            for st in stages:
+                if sp:
+                    per_mb += len(st["layers"]) * 4 * (ring_wire_bytes("all_gather", act, t)
+                                                      + ring_wire_bytes("reduce_scatter", act, t))
+                else:
+                    per_mb += len(st["layers"]) * 4 * ring_wire_bytes("all_reduce", act, t)
+                if recompute:  # each layer's forward runs again in backward, collectives included
+                    per_mb += len(st["layers"]) * 2 * (ring_wire_bytes("all_gather", act, t)
+                                                      + ring_wire_bytes("reduce_scatter", act, t)
+                                                      if sp else ring_wire_bytes("all_reduce", act, t))
+                if st["pre_process"]:  # forward reduction; with SP its backward all-gathers the gradient
+                    per_mb += (ring_wire_bytes("reduce_scatter", act, t) + ring_wire_bytes("all_gather", act, t)
+                               if sp else ring_wire_bytes("all_reduce", act, t))
+                if st["post_process"]:
+                    per_mb += (ring_wire_bytes("all_gather", act, t) + ring_wire_bytes("reduce_scatter", act, t)
+                               if sp else ring_wire_bytes("all_reduce", act, t))
+                    per_mb += 3 * ring_wire_bytes("all_reduce", s * b * 4, t)
+            vol["tp"] = m * per_mb
+            if sp:
+                vol["tp"] += ring_wire_bytes("all_reduce", E * sum(q.numel for q in params if q.sequence_parallel), t)
+        if p > 1:
+            msg = (s // t if sp else s) * b * h * E
+            last = p * chunks - 1
+            for st in stages:
+                vs = st["virtual_stage"]
+                vol["pp"] += m * msg * ((vs < last) + (vs > 0))
+        if d > 1:
+            if zero1:
+                n = sum(q.numel for q in params)
+                padded = -(-n // d) * d * E
+                vol["dp"] = ring_wire_bytes("reduce_scatter", padded, d) + ring_wire_bytes("all_gather", padded, d)
+            else:
+                sizes = [q.numel * E for q in reversed(params)]
+                vol["dp"] = sum(ring_wire_bytes("all_reduce", n, d) for n in _buckets(sizes, bucket_bytes))
+        if p > 1 and model.tie_embeddings:
+            vocab_bytes = model.padded_vocab(t) // t * h * E
+            holds = any(st["pre_process"] or st["post_process"] for st in stages)
+            vol["embedding"] = ring_wire_bytes("all_reduce", vocab_bytes, 2) if holds else 0
+        if topology.world_size > 1:
+            vol["world"] = 2 * ring_wire_bytes("all_reduce", 8, topology.world_size)
+        rows.append({"rank": rank, **vol})
+    return pd.DataFrame(rows).set_index("rank")

@@ -1,0 +1,143 @@
+"""Memory per rank over time: exact byte accounting on CPU, torch.cuda statistics on GPUs.
+
+On CPU there is no allocator to ask, so :class:`MemoryTracker` counts what training holds:
+
+- parameters and gradients: the bytes of every local parameter and of its ``.grad``;
+- optimizer state: every tensor in the optimizer's state (and ZeRO-1's fp32 shard);
+- activations: every tensor autograd saves for backward, seen through
+  ``torch.autograd.graph.saved_tensors_hooks``. Each saved tensor is counted by its *storage*,
+  once however many views of it are saved, from the moment it is saved until autograd drops it;
+  storages of parameters are not activations and are skipped.
+
+That is what a GPU would have to hold for these tensors, so a laptop run shows the same picture
+(without the allocator's caching and fragmentation, and without temporaries that are freed within
+one operation). On CUDA the rows also carry ``torch.cuda.memory_allocated``/``reserved`` and the
+peak since the previous row.
+
+One row per schedule action (recorded by the executor): time, action, microbatch, and the bytes of
+each category at the end of the action, plus the activation peak during it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from typing import Iterable
+
+import torch
+
+__all__ = ["MEMORY_COLUMNS", "MemoryTracker"]
+
+MEMORY_COLUMNS = ("rank", "time", "action", "microbatch", "chunk", "parameters", "gradients", "optimizer",
+                  "activations", "activations_peak", "cuda_allocated", "cuda_reserved", "cuda_peak")
+
+
+class _Saved:
+    """What the pack hook hands autograd instead of the tensor: releases its bytes when dropped."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+class MemoryTracker:
+    """Counts one rank's bytes (see module docstring). Pass it to the executor; read :meth:`frame`.
+
+    Args:
+        rank: the global rank, written into every row.
+        params: the rank's parameters (all model chunks).
+        optimizer: an object with ``opt`` (a torch optimizer) and optionally ``shard`` (ZeRO-1).
+    """
+
+    def __init__(self, *, rank: int, params: Iterable[torch.nn.Parameter], optimizer=None):
+        self.rank = rank
+        self.params = list(params)
+        self.optimizer = optimizer
+        self._param_storages = {p.untyped_storage().data_ptr() for p in self.params}
+        self._live: dict[int, list] = {}   # storage ptr -> [refcount, nbytes]
+        self.activations = 0
+        self.peak = 0
+        self.rows: list[tuple] = []
+        self.cuda = torch.cuda.is_available()
+
+    # -------------------------------------------------------------- saved tensors
+    def _pack(self, t: torch.Tensor):
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr in self._param_storages or ptr == 0:
+            return t
+        entry = self._live.get(ptr)
+        if entry is None:
+            self._live[ptr] = [1, st.nbytes()]
+            self.activations += st.nbytes()
+            self.peak = max(self.peak, self.activations)
+        else:
+            entry[0] += 1
+        box = _Saved(t)
+        weakref.finalize(box, self._release, ptr)
+        return box
+
+    @staticmethod
+    def _unpack(box):
+        return box.tensor if isinstance(box, _Saved) else box
+
+    def _release(self, ptr: int) -> None:
+        entry = self._live.get(ptr)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.activations -= entry[1]
+            del self._live[ptr]
+
+    @contextlib.contextmanager
+    def saving(self):
+        """Count tensors saved for backward inside this block (wrap each forward)."""
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
+
+    # -------------------------------------------------------------- snapshots
+    def parameter_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.params)
+
+    def gradient_bytes(self) -> int:
+        return sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
+
+    def optimizer_bytes(self) -> int:
+        opt = getattr(self.optimizer, "opt", None)
+        if opt is None:
+            return 0
+        total = 0
+        for state in opt.state.values():
+            for v in state.values():
+                if torch.is_tensor(v) and v.dim() > 0:
+                    total += v.numel() * v.element_size()
+        shard = getattr(self.optimizer, "shard", None)
+        if shard is not None:  # ZeRO-1's fp32 copy of this rank's parameter shard
+            total += shard.numel() * shard.element_size()
+        return total
+
+    def record(self, *, action: str, microbatch: int = -1, chunk: int = 0) -> None:
+        """Append a row for the action that just ended, and reset the activation peak."""
+        cuda = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), torch.cuda.max_memory_allocated()) \
+            if self.cuda else (0, 0, 0)
+        self.rows.append((self.rank, time.perf_counter(), action, microbatch, chunk, self.parameter_bytes(),
+                          self.gradient_bytes(), self.optimizer_bytes(), self.activations, self.peak, *cuda))
+        self.peak = self.activations
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+    def frame(self):
+        import pandas as pd
+
+        return pd.DataFrame(self.rows, columns=list(MEMORY_COLUMNS))
+
+    def clear(self) -> None:
+        self.rows.clear()
+
+    def __repr__(self) -> str:
+        return (f"MemoryTracker(rank={self.rank}, parameters={self.parameter_bytes()} B, "
+                f"activations now {self.activations} B, rows={len(self.rows)})")
+

@@ -1,0 +1,115 @@
+"""Traces (compute, communication, memory) against the pure-Python estimator; published figures; Chrome trace."""
+
+import json
+
+import pytest
+import torch
+
+from mlmkit.distributed import ProcessGroups, run_ranks
+from mlmkit.estimate import activation_bytes_per_layer, bytes_per_parameter, estimate_comm, estimate_memory
+from mlmkit.estimate.compare import compare_comm, compare_memory
+from mlmkit.model import GPTConfig
+from mlmkit.trace.export import merge_traces, to_chrome_trace
+from mlmkit.trace.memory import MemoryTracker
+from mlmkit.train import TrainConfig
+
+MODEL = GPTConfig(vocab_size=256, seq_len=16, hidden=32, heads=4, layers=4)
+
+
+def _traced_step(rank, world_size, cfg_dict):
+    from mlmkit.train.trainer import Trainer
+
+    cfg = TrainConfig.from_dict(cfg_dict)
+    trainer = Trainer(cfg, groups=ProcessGroups.build(cfg.topology))
+    trainer.train_step()          # optimizer state now exists
+    trainer.clear_traces()
+    trainer.train_step()          # the traced step
+    return trainer.traces()
+
+
+VARIANTS = {
+    "plain": {},
+    "sp+zero1+recompute": {"sequence_parallel": True, "zero1": True, "recompute": True},
+}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def traced(request):
+    cfg = TrainConfig(model=MODEL, tp=2, pp=2, dp=2, micro_batch_size=2, global_batch_size=16, **VARIANTS[request.param])
+    traces = merge_traces(run_ranks(_traced_step, world_size=8, args=(cfg.to_dict(),), timeout_s=300))
+    return cfg, traces
+
+
+def _options(cfg):
+    return dict(micro_batch_size=cfg.micro_batch_size, microbatches=cfg.microbatches,
+                sequence_parallel=cfg.sequence_parallel, zero1=cfg.zero1)
+
+
+def test_measured_bytes_per_axis_equal_estimate(traced):
+    cfg, traces = traced
+    est = estimate_comm(cfg.model, cfg.topology, recompute=cfg.recompute, **_options(cfg))
+    table = compare_comm(traces["comm"], est)
+    assert set(table.kind) == {"tp", "pp", "dp", "embedding", "world"}
+    mismatched = table[table.measured != table.estimated]
+    assert mismatched.empty, mismatched
+    assert (est[["tp", "pp", "dp", "embedding"]] > 0).all().all()  # every axis really carried data
+
+
+def test_measured_memory_against_estimate(traced):
+    cfg, traces = traced
+    est = estimate_memory(cfg.model, cfg.topology, recompute=cfg.recompute, **_options(cfg))
+    table = compare_memory(traces["memory"], est)
+    exact = table[table.kind != "activations"]
+    assert (exact.measured == exact.estimated).all(), exact
+    acts = table[table.kind == "activations"]
+    assert ((acts.ratio - 1).abs() <= 0.10).all(), acts
+
+
+def test_chrome_trace_holds_every_rank(traced, tmp_path):
+    _, traces = traced
+    path = to_chrome_trace(traces, str(tmp_path / "trace.json"))
+    data = json.load(open(path))["traceEvents"]
+    pids = {e["pid"] for e in data if e["ph"] == "X"}
+    assert pids == set(range(8))
+    compute = [e for e in data if e["ph"] == "X" and e.get("tid") == 0]
+    assert len(compute) == len(traces["events"])
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in data if e["ph"] == "X")
+    names = {e["args"]["name"] for e in data if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {f"rank {r}" for r in range(8)}
+
+
+def test_megatron_bytes_per_parameter():
+    assert bytes_per_parameter(precision="bf16") == 18
+    for d in (2, 4, 8, 64):
+        assert bytes_per_parameter(precision="bf16", zero1=True, dp=d) == pytest.approx(6 + 12 / d)
+    assert bytes_per_parameter(precision="fp32") == 16
+
+
+def test_korthikanti_formulas_gpt3_175b():
+    s, h, a, b, t = 2048, 12288, 96, 1, 8
+    kw = dict(s=s, b=b, h=h, a=a, precision="bf16", implementation="megatron")
+    sbh = s * b * h
+    assert activation_bytes_per_layer(**kw) == pytest.approx(sbh * (34 + 5 * a * s / h))
+    assert activation_bytes_per_layer(t=t, **kw) == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert activation_bytes_per_layer(t=t, sequence_parallel=True, **kw) == pytest.approx(sbh / t * (34 + 5 * a * s / h))
+    assert activation_bytes_per_layer(t=t, recompute=True, **kw) == pytest.approx(2 * sbh)
+    assert activation_bytes_per_layer(t=t, sequence_parallel=True, recompute=True, **kw) == pytest.approx(2 * sbh / t)
+    # Table 2 of the paper, in numbers: tensor + sequence parallelism keeps ~342 MiB per layer.
+    assert activation_bytes_per_layer(t=t, sequence_parallel=True, **kw) / 2**20 == pytest.approx(342.0, abs=0.5)
+
+
+def test_memory_tracker_counts_saved_storage_once():
+    lin = torch.nn.Linear(64, 64)
+    tracker = MemoryTracker(rank=0, params=lin.parameters())
+    x = torch.randn(32, 64, requires_grad=True)
+    with tracker.saving():
+        y = lin(x)                    # saves x (not the weight: a parameter)
+        z = (y * y).sum()             # saves y once (both operands are the same storage)
+    assert tracker.activations == x.numel() * 4 + y.numel() * 4
+    z.backward()
+    del y, z
+    assert tracker.activations == 0
+    assert tracker.peak == 2 * 32 * 64 * 4
+    tracker.record(action="F")
+    row = tracker.frame().iloc[0]
+    assert row.parameters == (64 * 64 + 64) * 4 and row.gradients == row.parameters
