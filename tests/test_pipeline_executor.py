@@ -43,6 +43,7 @@ def _pipeline_rank(rank, world_size, name, tp, pp, m, chunks, sp, stepwise):
         while not ex.done:
             ex.step_action()
             states.append(ex.state())
+        ex.finalize()
         loss = ex.loss
     else:
         loss = ex.run_step(tokens, targets)

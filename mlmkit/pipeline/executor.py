@@ -18,8 +18,10 @@ What an action does on this rank (``c`` = chunk, ``mb`` = microbatch, ``m`` micr
   split schedule only the input gradient (``torch.autograd.grad``), keeping the graph for ``W``.
 - ``W``: weight gradients of a split backward (``torch.autograd.backward(..., inputs=params)``).
 
-After the last action: gradients of sequence-parallel parameters are summed over TP, and the tied
-word embedding's gradient is summed between the first and last stage (embedding group).
+After the last action, :meth:`PipelineExecutor.finalize` (collective) sums the gradients of
+sequence-parallel parameters over TP and the tied word embedding's gradient between the first and
+last stage (embedding group). It is separate from the actions so that a driver stepping ranks in
+lockstep never calls a collective on one stage while another still has actions to run.
 
 Messages carry a tag naming (activation or gradient, sending virtual stage, microbatch), so gloo
 cannot pair a message with the wrong receive even when a rank's previous and next stage are the
@@ -146,6 +148,7 @@ class PipelineExecutor:
         self._sends: list[tuple[object, torch.Tensor]] = []    # posted isends, waited at step end
         self._losses: list[torch.Tensor] = []
         self._inbox: dict[tuple, torch.Tensor] = {}   # received tensors not yet consumed
+        self._finalized = False
 
     def start_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
         """Begin a step on the batch ``tokens``/``targets`` ``[m * b_mb, s]`` (split into m microbatches).
@@ -179,10 +182,7 @@ class PipelineExecutor:
             return None
         a = self.actions[self.index]
         if self._nccl and a.kind in _COMM:
-            a = self._run_comm_batch()
-            if self.done:
-                self._finish_step()
-            return a
+            return self._run_comm_batch()
         start = time.perf_counter()
         if a.kind in ("RECV_ACT", "RECV_GRAD"):
             self._finish_recv(a)
@@ -201,8 +201,6 @@ class PipelineExecutor:
             if self.memory is not None:
                 self.memory.record(action=a.kind, microbatch=a.microbatch, chunk=a.chunk)
         self.index += 1
-        if self.done:
-            self._finish_step()
         return a
 
     def run_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> Optional[float]:
@@ -211,6 +209,7 @@ class PipelineExecutor:
         self.start_step(tokens, targets)
         while not self.done:
             self.step_action()
+        self.finalize()
         return self.loss
 
     @property
@@ -363,7 +362,15 @@ class PipelineExecutor:
         if h.input_grad is None:
             del self._held[key]
 
-    def _finish_step(self) -> None:
+    def finalize(self) -> None:
+        """After the last action: wait for sends, then the gradient sums that need every stage
+        (sequence-parallel parameters over TP, tied embedding over the embedding group).
+        Collective: call it on every rank once the step's actions are done (idempotent)."""
+        if not self.done:
+            raise RuntimeError(f"finalize() before the step's actions are done ({self.state().next_action} is next)")
+        if self._finalized:
+            return
+        self._finalized = True
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()

@@ -89,6 +89,7 @@ class Trainer:
         """After the schedule ran: optimizer step and metrics (collective over the world)."""
         if not self.executor.done:
             raise RuntimeError(f"the schedule is not finished ({self.executor.state().next_action} is next)")
+        self.executor.finalize()
         loss = self._mean_loss()
         lr = self.lr()
         grad_norm = self.optimizer.step(lr=lr)

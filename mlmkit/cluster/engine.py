@@ -1,0 +1,159 @@
+"""What runs inside each ipyparallel engine: one rank's state and the functions the driver calls.
+
+Each engine's user namespace holds one :class:`EngineState` named ``mlmkit_rank`` (so ``%%px``
+cells can use it: ``mlmkit_rank.rank``, ``mlmkit_rank.groups``, ``mlmkit_rank.trainer``). The
+driver calls module-level functions of this file with that object as first argument through
+:func:`call`, which turns any failure into an *abort*: the rank drops its process groups at once,
+which closes its connections, so peers blocked in a collective with it fail within milliseconds
+instead of waiting for a timeout (SIGINT cannot interrupt a rank blocked in gloo).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import threading
+import time
+import traceback
+from typing import Any, Callable, Optional
+
+__all__ = ["EngineState", "RemoteFailure", "call", "engine_info"]
+
+
+class RemoteFailure(Exception):
+    """Raised on an engine: carries the rank and the formatted traceback of the original error."""
+
+    def __init__(self, rank: int, remote_traceback: str):
+        self.rank, self.remote_traceback = rank, remote_traceback
+        super().__init__(f"rank {rank} failed:\n{remote_traceback}")
+
+
+def engine_info() -> dict:
+    """Facts the driver needs to assign ranks and to check processes: pid, nanny, host, devices."""
+    import psutil
+    import torch
+
+    me = psutil.Process()
+    return {"pid": os.getpid(), "children": [c.pid for c in me.children(recursive=True)],
+            "host": socket.gethostname(), "cuda_devices": torch.cuda.device_count(), "cpus": os.cpu_count()}
+
+
+class EngineState:
+    """One rank living in an engine: its rank, devices, process groups and whatever a session adds."""
+
+    def __init__(self):
+        self.rank: Optional[int] = None
+        self.world_size = 0
+        self.topology = None
+        self.groups = None
+        self.device = None
+        self.local_rank = 0
+        self.backend: Optional[str] = None
+        self.timeout_s = 30.0
+        self.trainer = None
+        self.data: dict[str, Any] = {}    # free space for user code
+        self._watchdog: Optional[threading.Thread] = None
+
+    # ---------------------------------------------------------------- setup
+    def setup(self, *, rank: int, world_size: int, topology, local_rank: int, threads: int,
+              backend: Optional[str], timeout_s: float, driver_pid: Optional[int]) -> dict:
+        import torch
+
+        from mlmkit.distributed import default_backend, default_device
+
+        self.rank, self.world_size, self.topology = rank, world_size, topology
+        self.local_rank, self.timeout_s = local_rank, timeout_s
+        self.backend = backend or default_backend()
+        os.environ["LOCAL_RANK"] = str(local_rank)
+        self.device = default_device(local_rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        else:
+            torch.set_num_threads(max(1, threads))
+        if driver_pid and self._watchdog is None:
+            self._watchdog = threading.Thread(target=_watch_driver, args=(driver_pid,), daemon=True)
+            self._watchdog.start()
+        return {"rank": rank, "device": str(self.device), "threads": torch.get_num_threads(), "backend": self.backend}
+
+    def connect(self, *, master: str, port: int) -> None:
+        """Join (or re-join) torch.distributed on ``master:port`` and (re)build the process groups.
+
+        Existing :class:`~mlmkit.distributed.CommGroup` objects are updated in place, so models and
+        trainers built on them keep working after a recovery.
+        """
+        import torch.distributed as dist
+
+        from mlmkit.distributed import ProcessGroups, init_distributed
+
+        self.abort()
+        init_distributed(rank=self.rank, world_size=self.world_size, init_method=f"tcp://{master}:{port}",
+                         backend=self.backend, timeout_s=self.timeout_s)
+        fresh = ProcessGroups.build(self.topology, device=self.device)
+        if self.groups is None:
+            self.groups = fresh
+        else:
+            for axis in ("tp", "dp", "pp", "embedding", "world"):
+                old, new = getattr(self.groups, axis), getattr(fresh, axis)
+                if old is not None:
+                    old.pg = new.pg
+        assert dist.is_initialized()
+
+    def abort(self) -> None:
+        """Drop every process group now (closes connections; peers blocked with us fail fast)."""
+        import torch.distributed as dist
+
+        if self.groups is not None:
+            for axis in ("tp", "dp", "pp", "embedding", "world"):
+                g = getattr(self.groups, axis)
+                if g is not None:
+                    g.pg = None
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a broken group may refuse a clean destroy
+                pass
+        gc.collect()
+
+    def __repr__(self) -> str:
+        return f"EngineState(rank={self.rank}, device={self.device}, trainer={'yes' if self.trainer else 'no'})"
+
+
+def _watch_driver(pid: int) -> None:
+    # An engine whose notebook kernel was killed abruptly exits by itself (no orphans).
+    while True:
+        time.sleep(2.0)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            os._exit(0)
+        except PermissionError:
+            pass
+
+
+def call(state: EngineState, fn: Callable, args: tuple, kwargs: dict):
+    """Run ``fn(state, *args, **kwargs)``; on failure abort the groups and raise :class:`RemoteFailure`."""
+    try:
+        return fn(state, *args, **kwargs)
+    except BaseException:  # noqa: BLE001 - every failure is reported with its rank
+        tb = traceback.format_exc()
+    # Outside the except block: the failed frames (which may hold the process group) are gone,
+    # so dropping the groups really closes the connections.
+    state.abort()
+    raise RemoteFailure(state.rank if state.rank is not None else -1, tb)
+
+
+# --------------------------------------------------------------------------- engine-side helpers
+def free_port(_state: EngineState) -> int:
+    from mlmkit.distributed import find_free_port
+
+    return find_free_port()
+
+
+def host_address(_state: EngineState) -> str:
+    return socket.gethostbyname(socket.gethostname())
+
+
+def shutdown(state: EngineState) -> None:
+    state.trainer = None
+    state.abort()
