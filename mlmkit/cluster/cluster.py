@@ -142,6 +142,26 @@ class Cluster:
         self.start_time_s = time.perf_counter() - t0
         return self
 
+    @classmethod
+    def attach(cls, connection_file: str, *, topology: Topology, **kwargs) -> "Cluster":
+        """Use engines that something else started (e.g. a Slurm job, see cluster/README.md).
+
+        ``connection_file`` is the controller's ``ipcontroller-client.json``. The engines become
+        ranks as with :meth:`start`; :meth:`shutdown` drops the process groups and disconnects but
+        leaves the engines to the job that owns them. A dead engine cannot be replaced from here.
+        """
+        import ipyparallel as ipp
+
+        self = cls(topology=topology, **kwargs)
+        t0 = time.perf_counter()
+        self.client = ipp.Client(connection_file)
+        self.client.wait_for_engines(self.world_size, timeout=self.engine_start_timeout_s)
+        self._attached = True
+        self._assign_ranks(sorted(self.client.ids)[: self.world_size])
+        self._connect_all()
+        self.start_time_s = time.perf_counter() - t0
+        return self
+
     def _secure_connection_files(self) -> None:
         sec = Path(self._profile_dir) / "security"
         for f in sec.glob("*.json"):
@@ -221,7 +241,7 @@ class Cluster:
 
         Returns the pids that had to be killed by force (normally none).
         """
-        if self.ipp_cluster is None:
+        if self.ipp_cluster is None and not getattr(self, "_attached", False):
             return []
         if self.client is not None and self.engine_ids:
             try:
@@ -231,6 +251,10 @@ class Cluster:
                     ar.wait(timeout=5)
             except Exception:  # noqa: BLE001 - shutting down anyway
                 pass
+        if getattr(self, "_attached", False):
+            self.client.close()
+            self.client = self.view = None
+            return []
         pids = set(self._all_pids)
         ctrl = getattr(self.ipp_cluster, "controller", None)
         if ctrl is not None and getattr(ctrl, "process", None) is not None:
@@ -379,6 +403,9 @@ class Cluster:
         return replace
 
     def _replace_engines(self, ranks: list[int]) -> None:
+        if self.ipp_cluster is None:
+            raise RuntimeError(f"the engines of ranks {ranks} are gone and this cluster was attached, not started "
+                               f"here: restart the job that runs the engines, then attach again")
         before = set(self.client.ids)
         self.ipp_cluster.start_engines_sync(n=len(ranks))
         deadline = time.monotonic() + self.engine_start_timeout_s
