@@ -168,3 +168,18 @@ def test_bad_cluster_configs_fail_before_starting():
         Cluster(topology=Topology(tp=2), n=3)
     with pytest.raises(ValueError, match="give topology"):
         Cluster()
+
+
+def test_session_controls_buttons(cluster):
+    from mlmkit.viz import SessionControls
+
+    controls = SessionControls(cluster.session(CFG))
+    controls.action_button.click()
+    assert controls.last and any(controls.last.values())
+    assert (controls.state.position >= 0).all()
+    controls.microbatch_button.click()
+    assert controls.figure is not None and controls.error is None
+    controls.step_button.click()
+    assert "steps done: 1" in controls.status.value
+    controls.reset_button.click()
+    assert (controls.state.position == controls.state.actions).all() or (controls.state.position == 0).all()

@@ -1,0 +1,28 @@
+"""Pictures per rank (plotly, from DataFrames only; no torch) and widgets to explore schedules.
+
+Figures: :func:`topology_figure`, :func:`timeline_figure`, :func:`timeline_comparison`,
+:func:`memory_figure`, :func:`comm_heatmap`, :func:`comm_by_axis_figure`,
+:func:`comm_timeline_figure`, :func:`shard_figure`; :func:`save_html` writes any of them as a
+standalone HTML file. Widgets: :func:`schedule_explorer`, :class:`SessionControls`.
+"""
+
+from mlmkit.viz.figures import (
+    bubble_table,
+    comm_by_axis_figure,
+    comm_heatmap,
+    comm_matrix,
+    comm_timeline_figure,
+    memory_figure,
+    save_html,
+    shard_figure,
+    timeline_comparison,
+    timeline_figure,
+    topology_figure,
+)
+from mlmkit.viz.widgets import ScheduleExplorer, SessionControls, schedule_explorer
+
+__all__ = [
+    "ScheduleExplorer", "SessionControls", "bubble_table", "comm_by_axis_figure", "comm_heatmap", "comm_matrix",
+    "comm_timeline_figure", "memory_figure", "save_html", "schedule_explorer", "shard_figure", "timeline_comparison",
+    "timeline_figure", "topology_figure",
+]

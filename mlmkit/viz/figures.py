@@ -1,0 +1,295 @@
+"""Plotly figures of mlmkit's DataFrames: topology, pipeline timelines, memory, communication, shards.
+
+Every function takes DataFrames (from :mod:`mlmkit.topology`, :mod:`mlmkit.pipeline.simulate`,
+:mod:`mlmkit.trace`, :mod:`mlmkit.estimate`, :func:`mlmkit.shard_table`) and returns a
+``plotly.graph_objects.Figure``; nothing here imports torch. :func:`save_html` writes any of them as
+a standalone HTML file (plotly.js embedded: it opens offline).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+__all__ = [
+    "ACTION_COLORS", "MEMORY_COLORS", "bubble_table", "comm_by_axis_figure", "comm_heatmap", "comm_matrix",
+    "comm_timeline_figure", "memory_figure", "save_html", "shard_figure", "timeline_comparison", "timeline_figure",
+    "topology_figure",
+]
+
+ACTION_COLORS = {"F": "#4C78A8", "B": "#F58518", "W": "#54A24B"}
+MEMORY_COLORS = {"parameters": "#4C78A8", "gradients": "#F58518", "optimizer": "#54A24B", "activations": "#E45756"}
+AXIS_COLORS = {"tp": "#4C78A8", "pp": "#F58518", "dp": "#54A24B", "embedding": "#B279A2", "world": "#9D755D"}
+BUBBLE_COLOR = "rgba(150, 150, 150, 0.35)"
+
+
+def save_html(fig: go.Figure, path: str) -> str:
+    """Write ``fig`` as a standalone HTML file (plotly.js included, no network needed)."""
+    fig.write_html(path, include_plotlyjs=True, full_html=True)
+    return path
+
+
+# ------------------------------------------------------------------------------------------ topology
+def topology_figure(frame: pd.DataFrame, *, color_by: str = "pp") -> go.Figure:
+    """The rank grid: one cell per rank (columns tp, rows dp within each pipeline stage), coloured by
+    the group along ``color_by``, with buttons to switch between tp, dp and pp groups.
+
+    ``frame``: :meth:`Topology.to_frame` (index rank; columns tp, dp, pp), optionally with a
+    ``device`` / ``host`` column (e.g. joined from :meth:`Cluster.to_frame`) shown on hover.
+    """
+    df = frame.reset_index()
+    tp_n, dp_n = int(df.tp.max()) + 1, int(df.dp.max()) + 1
+    x = df.tp
+    y = df.pp * (dp_n + 1) + df.dp            # stages stacked, a blank row between them
+    extra = [c for c in ("device", "host") if c in df]
+    hover = [f"rank {r.rank}<br>tp={r.tp} dp={r.dp} pp={r.pp}" + "".join(f"<br>{c}={getattr(r, c)}" for c in extra)
+             for r in df.itertuples()]
+
+    def group_id(axis):
+        others = [a for a in ("tp", "dp", "pp") if a != axis]
+        return df.groupby(others).ngroup()
+
+    fig = go.Figure()
+    for i, axis in enumerate(("tp", "dp", "pp")):
+        gid = group_id(axis)
+        fig.add_trace(go.Scatter(
+            x=x, y=y, mode="markers+text", text=[str(r) for r in df["rank"]], textposition="middle center",
+            hovertext=hover, hoverinfo="text", name=f"{axis} groups", visible=(axis == color_by),
+            marker=dict(size=46, symbol="square", color=gid, colorscale="Turbo", line=dict(width=1, color="white")),
+            textfont=dict(color="white", size=14), customdata=gid))
+    buttons = [dict(label=f"colour by {a} group", method="update",
+                    args=[{"visible": [b == a for b in ("tp", "dp", "pp")]}]) for a in ("tp", "dp", "pp")]
+    stages = sorted(df.pp.unique())
+    fig.update_layout(
+        title="Rank grid (Megatron order: tp fastest, then dp, then pp)", showlegend=False, height=140 + 70 * len(y.unique()),
+        updatemenus=[dict(buttons=buttons, direction="right", x=0, y=1.12, xanchor="left", type="buttons")],
+        xaxis=dict(title="tp rank", tickvals=list(range(tp_n)), range=[-0.6, tp_n - 0.4]),
+        yaxis=dict(title="pipeline stage / dp replica", autorange="reversed",
+                   tickvals=[p * (dp_n + 1) + d for p in stages for d in range(dp_n)],
+                   ticktext=[f"pp={p} dp={d}" for p in stages for d in range(dp_n)]),
+        plot_bgcolor="white")
+    return fig
+
+
+# ------------------------------------------------------------------------------------------ timelines
+def bubble_table(timeline: pd.DataFrame) -> pd.DataFrame:
+    """Per rank: busy time, idle (bubble) time and bubble share of the step, from a timeline
+    (columns rank, start, end). The step spans the earliest start to the latest end of any rank."""
+    t0, t1 = timeline.start.min(), timeline.end.max()
+    step = t1 - t0
+    busy = (timeline.end - timeline.start).groupby(timeline["rank"]).sum()
+    out = pd.DataFrame({"busy": busy, "idle": step - busy})
+    out["bubble"] = out.idle / step if step > 0 else 0.0
+    out.index.name = "rank"
+    return out
+
+
+def _idle_intervals(tl: pd.DataFrame, t0: float, t1: float) -> list[tuple[float, float]]:
+    gaps, cursor = [], t0
+    for start, end in sorted(zip(tl.start, tl.end)):
+        if start > cursor:
+            gaps.append((cursor, start))
+        cursor = max(cursor, end)
+    if cursor < t1:
+        gaps.append((cursor, t1))
+    return gaps
+
+
+def _timeline_traces(timeline: pd.DataFrame, *, row_offset: float = 0.0, name_suffix: str = "",
+                     showlegend: bool = True, t0: Optional[float] = None) -> list[go.Bar]:
+    tl = timeline.copy()
+    t0 = tl.start.min() if t0 is None else t0
+    t1 = tl.end.max()
+    traces = []
+    for kind in ("F", "B", "W"):
+        part = tl[tl.action == kind]
+        if part.empty:
+            continue
+        label = part.microbatch.astype(str) + part.chunk.map(lambda c: f".{c}" if c else "")
+        traces.append(go.Bar(
+            y=part["rank"] + row_offset, x=part.end - part.start, base=part.start - t0, orientation="h",
+            name={"F": "forward", "B": "backward", "W": "weight grad"}[kind] + name_suffix,
+            marker=dict(color=ACTION_COLORS[kind], line=dict(width=0.5, color="white")), text=label,
+            textposition="inside", insidetextanchor="middle", showlegend=showlegend, legendgroup=kind,
+            customdata=part[["microbatch", "chunk"]].values,
+            hovertemplate=f"{kind} mb %{{customdata[0]}} chunk %{{customdata[1]}}<br>%{{base:.4g}} + %{{x:.4g}}<extra></extra>"))
+    gaps_y, gaps_x, gaps_base = [], [], []
+    for r, part in tl.groupby("rank"):
+        for a, b in _idle_intervals(part, t0, t1):
+            gaps_y.append(r + row_offset)
+            gaps_x.append(b - a)
+            gaps_base.append(a - t0)
+    traces.append(go.Bar(y=gaps_y, x=gaps_x, base=gaps_base, orientation="h", name="bubble" + name_suffix,
+                         marker=dict(color=BUBBLE_COLOR), showlegend=showlegend, legendgroup="bubble",
+                         hovertemplate="idle %{x:.4g}<extra></extra>"))
+    return traces
+
+
+def timeline_figure(timeline: pd.DataFrame, *, title: str = "Pipeline timeline", unit: str = "") -> go.Figure:
+    """One row per rank: forward/backward/weight-gradient blocks labelled by microbatch (``mb.chunk``),
+    idle time shaded as bubble, each rank's bubble share in its row label.
+
+    ``timeline``: columns rank, action, microbatch, chunk, start, end (a simulation's
+    ``SimResult.timeline`` or a measured trace's ``events``).
+    """
+    bubbles = bubble_table(timeline)
+    fig = go.Figure(_timeline_traces(timeline))
+    ranks = sorted(timeline["rank"].unique())
+    fig.update_layout(
+        title=f"{title} (bubble {bubbles.idle.sum() / (bubbles.busy.sum() + bubbles.idle.sum()):.1%})",
+        barmode="overlay", height=120 + 45 * len(ranks), plot_bgcolor="white", bargap=0.15,
+        xaxis=dict(title=f"time{f' ({unit})' if unit else ''}", showgrid=True, gridcolor="#eee"),
+        yaxis=dict(autorange="reversed", tickvals=ranks,
+                   ticktext=[f"rank {r} ({bubbles.loc[r, 'bubble']:.0%} idle)" for r in ranks]),
+        legend=dict(orientation="h", y=-0.25))
+    return fig
+
+
+def timeline_comparison(simulated: pd.DataFrame, measured: pd.DataFrame, *, title: str = "Simulated vs measured") -> go.Figure:
+    """Simulated (top) and measured (bottom) timelines of the same schedule, both from time 0.
+
+    Pass a simulation calibrated in seconds (``Costs`` from measured action times) for a shared scale.
+    """
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
+                        subplot_titles=(f"simulated (bubble {_share(simulated):.1%})",
+                                        f"measured (bubble {_share(measured):.1%})"))
+    for tr in _timeline_traces(simulated):
+        fig.add_trace(tr, row=1, col=1)
+    for tr in _timeline_traces(measured, showlegend=False):
+        fig.add_trace(tr, row=2, col=1)
+    ranks = sorted(set(simulated["rank"]) | set(measured["rank"]))
+    for row in (1, 2):
+        fig.update_yaxes(autorange="reversed", tickvals=ranks, ticktext=[f"rank {r}" for r in ranks], row=row, col=1)
+    fig.update_layout(title=title, barmode="overlay", height=220 + 90 * len(ranks), plot_bgcolor="white",
+                      legend=dict(orientation="h", y=-0.12))
+    fig.update_xaxes(title_text="time (s)", row=2, col=1)
+    return fig
+
+
+def _share(tl: pd.DataFrame) -> float:
+    b = bubble_table(tl)
+    return float(b.idle.sum() / (b.busy.sum() + b.idle.sum()))
+
+
+# ------------------------------------------------------------------------------------------ memory
+def memory_figure(memory: pd.DataFrame, *, estimate: Optional[pd.DataFrame] = None, t0: Optional[float] = None) -> go.Figure:
+    """Memory per rank over time, stacked by category, with each rank's peak marked and, if given,
+    the estimator's total (dashed).
+
+    ``memory``: a memory trace (columns rank, time, parameters, gradients, optimizer, activations,
+    activations_peak). ``estimate``: :func:`mlmkit.estimate.estimate_memory` (index rank).
+    """
+    ranks = sorted(memory["rank"].unique())
+    cols = min(len(ranks), 4)
+    rows = -(-len(ranks) // cols)
+    fig = make_subplots(rows=rows, cols=cols, shared_yaxes=True, subplot_titles=[f"rank {r}" for r in ranks],
+                        horizontal_spacing=0.03, vertical_spacing=0.12)
+    t0 = memory.time.min() if t0 is None else t0
+    mib = 2**20
+    for i, r in enumerate(ranks):
+        row, col = i // cols + 1, i % cols + 1
+        m = memory[memory["rank"] == r].sort_values("time")
+        t = m.time - t0
+        for cat in ("parameters", "gradients", "optimizer", "activations"):
+            fig.add_trace(go.Scatter(x=t, y=m[cat] / mib, stackgroup=f"r{r}", name=cat, legendgroup=cat,
+                                     showlegend=(i == 0), line=dict(width=0.5, color=MEMORY_COLORS[cat]),
+                                     hovertemplate=f"{cat} %{{y:.3f}} MiB<extra>rank {r}</extra>"), row=row, col=col)
+        total = m.parameters + m.gradients + m.optimizer + m.activations_peak
+        k = int(total.values.argmax())
+        fig.add_trace(go.Scatter(x=[t.iloc[k]], y=[total.iloc[k] / mib], mode="markers+text", name="peak",
+                                 legendgroup="peak", showlegend=(i == 0), marker=dict(symbol="triangle-down", size=10, color="black"),
+                                 text=[f"peak {total.iloc[k] / mib:.2f} MiB"], textposition="top center"), row=row, col=col)
+        if estimate is not None and r in estimate.index:
+            est = float(estimate.loc[r, "total"]) / mib
+            fig.add_trace(go.Scatter(x=[t.min(), t.max()], y=[est, est], mode="lines", name="estimate",
+                                     legendgroup="estimate", showlegend=(i == 0),
+                                     line=dict(dash="dash", color="black", width=1)), row=row, col=col)
+    fig.update_layout(title="Memory per rank (MiB)", height=260 * rows + 80, plot_bgcolor="white",
+                      legend=dict(orientation="h", y=-0.15))
+    return fig
+
+
+# ------------------------------------------------------------------------------------------ communication
+def comm_matrix(comm: pd.DataFrame) -> pd.DataFrame:
+    """Wire bytes from each rank (rows) to each rank (columns).
+
+    A point-to-point send goes to its peer. A ring collective sends all of a rank's wire bytes to
+    its successor in the ring (the group's next rank), which is how ring all-reduce, all-gather and
+    reduce-scatter move data.
+    """
+    rows = []
+    for r in comm.itertuples(index=False):
+        if not r.wire_bytes:
+            continue
+        ranks = list(r.ranks)
+        if r.op == "send":
+            dst = ranks[1]
+        elif len(ranks) > 1:
+            dst = ranks[(ranks.index(r.rank) + 1) % len(ranks)]
+        else:
+            continue
+        rows.append((r.rank, dst, r.wire_bytes))
+    df = pd.DataFrame(rows, columns=["src", "dst", "bytes"])
+    n = int(max(comm["rank"].max(), max((max(x) for x in comm.ranks), default=0))) + 1 if len(comm) else 0
+    mat = df.pivot_table(index="src", columns="dst", values="bytes", aggfunc="sum", fill_value=0)
+    return mat.reindex(index=range(n), columns=range(n), fill_value=0).astype("int64")
+
+
+def comm_heatmap(comm: pd.DataFrame) -> go.Figure:
+    """Rank-by-rank heatmap of wire bytes (see :func:`comm_matrix`)."""
+    mat = comm_matrix(comm)
+    fig = go.Figure(go.Heatmap(z=mat.values / 2**20, x=[f"to {c}" for c in mat.columns], y=[f"from {r}" for r in mat.index],
+                               colorscale="Blues", colorbar=dict(title="MiB"),
+                               hovertemplate="%{y} %{x}: %{z:.3f} MiB<extra></extra>"))
+    fig.update_layout(title="Bytes sent between ranks", yaxis=dict(autorange="reversed"), height=160 + 40 * len(mat))
+    return fig
+
+
+def comm_by_axis_figure(comm: pd.DataFrame, *, estimate: Optional[pd.DataFrame] = None) -> go.Figure:
+    """Wire bytes per rank, stacked by axis (tp, pp, dp, embedding, world); estimator totals as markers."""
+    table = comm.pivot_table(index="rank", columns="axis", values="wire_bytes", aggfunc="sum", fill_value=0)
+    fig = go.Figure()
+    for axis in [a for a in AXIS_COLORS if a in table]:
+        fig.add_trace(go.Bar(x=table.index, y=table[axis] / 2**20, name=axis, marker_color=AXIS_COLORS[axis]))
+    if estimate is not None:
+        fig.add_trace(go.Scatter(x=estimate.index, y=estimate.sum(axis=1) / 2**20, mode="markers", name="estimate",
+                                 marker=dict(symbol="line-ew-open", size=28, color="black", line=dict(width=2))))
+    fig.update_layout(title="Bytes sent per rank, by axis", barmode="stack", xaxis=dict(title="rank", dtick=1),
+                      yaxis=dict(title="MiB"), plot_bgcolor="white")
+    return fig
+
+
+def comm_timeline_figure(comm: pd.DataFrame, *, t0: Optional[float] = None) -> go.Figure:
+    """Collectives and messages on a timeline, one row per rank, coloured by axis."""
+    t0 = comm.start.min() if t0 is None else t0
+    fig = go.Figure()
+    for axis in [a for a in AXIS_COLORS if a in set(comm.axis)]:
+        part = comm[comm.axis == axis]
+        fig.add_trace(go.Bar(y=part["rank"], x=(part.end - part.start).clip(lower=1e-6), base=part.start - t0,
+                             orientation="h", name=axis, marker_color=AXIS_COLORS[axis],
+                             customdata=part[["op", "bytes", "site"]].values,
+                             hovertemplate="%{customdata[0]} %{customdata[1]} B at %{customdata[2]}<extra></extra>"))
+    ranks = sorted(comm["rank"].unique())
+    fig.update_layout(title="Communication over time", barmode="overlay", plot_bgcolor="white",
+                      yaxis=dict(autorange="reversed", tickvals=ranks, ticktext=[f"rank {r}" for r in ranks]),
+                      xaxis=dict(title="time (s)"), height=120 + 40 * len(ranks))
+    return fig
+
+
+# ------------------------------------------------------------------------------------------ shards
+def shard_figure(shards: pd.DataFrame) -> go.Figure:
+    """A table of what each rank holds: parameter, local and global shape, split dimension, bytes."""
+    df = shards.copy()
+    split = df.split_dim.map(lambda d: "replicated" if pd.isna(d) else f"dim {int(d)}")
+    cols = ["rank", "name", "local_shape", "global_shape", "split", "bytes"]
+    df["split"] = split
+    values = [df[c].astype(str) if c != "bytes" else df[c].map(lambda b: f"{b:,}") for c in cols]
+    fill = [["#eef3fb" if s == "replicated" else "white" for s in split]] * len(cols)
+    fig = go.Figure(go.Table(header=dict(values=cols, fill_color="#4C78A8", font=dict(color="white")),
+                             cells=dict(values=values, fill_color=fill, align="left")))
+    fig.update_layout(title="Parameter shards (blue rows: replicated on every TP rank)",
+                      height=min(900, 120 + 24 * len(df)))
+    return fig

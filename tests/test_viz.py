@@ -1,0 +1,142 @@
+"""Figures are functions of DataFrames: check each figure's data against its frame; widgets from Python."""
+
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from mlmkit import Topology
+from mlmkit.pipeline import make_schedule, simulate
+from mlmkit.viz import (
+    bubble_table,
+    comm_by_axis_figure,
+    comm_heatmap,
+    comm_matrix,
+    comm_timeline_figure,
+    memory_figure,
+    save_html,
+    schedule_explorer,
+    shard_figure,
+    timeline_comparison,
+    timeline_figure,
+    topology_figure,
+)
+
+
+@pytest.mark.parametrize("name,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)])
+def test_timeline_blocks_and_bubble_share(name, chunks):
+    res = simulate(make_schedule(name, stages=4, microbatches=8, chunks=chunks),
+                   {"forward": 1.0, "backward": 2.0, "weight": 1.0})
+    fig = timeline_figure(res.timeline)
+    blocks = [t for t in fig.data if t.name in ("forward", "backward", "weight grad")]
+    assert sum(len(t.x) for t in blocks) == len(res.timeline)       # one block per action
+    bubble = next(t for t in fig.data if t.name == "bubble")
+    shaded = pd.Series(list(bubble.x)).groupby(list(bubble.y)).sum()
+    for r in range(4):
+        assert shaded[r] / res.step_time == pytest.approx(res.bubble_per_rank[r], abs=1e-12)
+    assert f"{res.bubble_fraction:.1%}" in fig.layout.title.text
+    assert bubble_table(res.timeline).bubble.to_dict() == pytest.approx(res.bubble_per_rank)
+
+
+def test_timeline_comparison_has_both_panels():
+    s = make_schedule("1f1b", stages=2, microbatches=4)
+    sim = simulate(s, {"forward": 0.01, "backward": 0.02}).timeline
+    measured = sim.assign(start=sim.start * 1.1 + 5.0, end=sim.end * 1.1 + 5.0)  # shifted clock
+    fig = timeline_comparison(sim, measured)
+    assert len([t for t in fig.data if t.name == "forward"]) == 2
+    assert min(min(t.base) for t in fig.data if t.name == "forward") == pytest.approx(0.0)
+
+
+def _memory_frame():
+    rows = []
+    for r in range(2):
+        for i, act in enumerate([0, 100, 250, 100, 0]):
+            rows.append({"rank": r, "time": float(i), "action": "F", "microbatch": 0, "chunk": 0,
+                         "parameters": 1000, "gradients": 1000 if i > 2 else 0, "optimizer": 2000,
+                         "activations": act * (r + 1), "activations_peak": act * (r + 1) + 10})
+    return pd.DataFrame(rows)
+
+
+def test_memory_figure_stacks_categories_and_marks_peak():
+    mem = _memory_frame()
+    est = pd.DataFrame({"total": [5000, 6000]}, index=pd.Index([0, 1], name="rank"))
+    fig = memory_figure(mem, estimate=est)
+    stacked = [t for t in fig.data if t.stackgroup]
+    assert len(stacked) == 4 * 2
+    peaks = [t for t in fig.data if t.name == "peak"]
+    for r, t in enumerate(peaks):
+        m = mem[mem["rank"] == r]
+        assert t.y[0] * 2**20 == pytest.approx((m.parameters + m.gradients + m.optimizer + m.activations_peak).max())
+    assert [t.y[0] * 2**20 for t in fig.data if t.name == "estimate"] == pytest.approx([5000, 6000])
+
+
+def _comm_frame():
+    return pd.DataFrame([
+        (0, "all_reduce", "tp", (0, 1), 400, 400, 0.0, 0.1, "x", "forward"),
+        (1, "all_reduce", "tp", (0, 1), 400, 400, 0.0, 0.1, "x", "forward"),
+        (0, "send", "pp", (0, 2), 128, 128, 0.2, 0.3, "p", "forward"),
+        (2, "recv", "pp", (2, 0), 128, 0, 0.2, 0.3, "p", "forward"),
+    ], columns=["rank", "op", "axis", "ranks", "bytes", "wire_bytes", "start", "end", "site", "phase"])
+
+
+def test_comm_figures():
+    comm = _comm_frame()
+    mat = comm_matrix(comm)
+    assert mat.loc[0, 1] == 400 and mat.loc[1, 0] == 400 and mat.loc[0, 2] == 128
+    assert mat.values.sum() == comm.wire_bytes.sum()
+    heat = comm_heatmap(comm)
+    assert heat.data[0].z.sum() * 2**20 == pytest.approx(928)
+    by_axis = comm_by_axis_figure(comm)
+    assert {t.name for t in by_axis.data} == {"tp", "pp"}
+    assert len(comm_timeline_figure(comm).data) == 2
+
+
+def test_topology_figure_colours_groups():
+    topo = Topology(tp=2, pp=2, dp=2)
+    fig = topology_figure(topo.to_frame())
+    assert len(fig.data) == 3 and all(len(t.x) == 8 for t in fig.data)
+    by_axis = {t.name.split()[0]: list(t.marker.color) for t in fig.data}
+    for axis in ("tp", "dp", "pp"):
+        for group in topo.groups(axis):
+            assert len({by_axis[axis][r] for r in group}) == 1     # one colour per group
+        assert len(set(by_axis[axis])) == len(topo.groups(axis))
+    assert [t.visible for t in fig.data] == [False, False, True]
+
+
+def test_shard_figure_lists_every_parameter():
+    shards = pd.DataFrame({"rank": [0, 0], "name": ["a", "b"], "local_shape": [(2, 3), (3,)],
+                           "global_shape": [(4, 3), (3,)], "split_dim": pd.array([0, None], dtype="Int64"),
+                           "bytes": [24, 12]})
+    fig = shard_figure(shards)
+    assert list(fig.data[0].cells.values[1]) == ["a", "b"]
+    assert list(fig.data[0].cells.values[4]) == ["dim 0", "replicated"]
+
+
+def test_schedule_explorer_from_python():
+    ex = schedule_explorer(schedule="1f1b", stages=4, microbatches=8)
+    assert ex.result.bubble_fraction == pytest.approx(3 / 11)
+    ex.schedule.value = "interleaved-1f1b"
+    ex.chunks.value = 2
+    assert ex.result.schedule.chunks == 2
+    assert ex.result.bubble_ratio == pytest.approx(3 / 16)
+    assert "bubble" in ex.summary.value and ex.figure is not None
+    ex.schedule.value = "zb-h1"
+    ex.weight.value = 1.0
+    ex.backward.value = 1.0
+    assert ex.result.schedule.split_backward
+    ex.microbatches.value = 2                    # too few: shown, not raised
+    assert ex.result is None and "too few microbatches" in ex.error
+    assert "Not a valid schedule" in ex.summary.value
+
+
+def test_save_html_is_standalone(tmp_path):
+    fig = timeline_figure(simulate(make_schedule("gpipe", stages=2, microbatches=2), {"forward": 1}).timeline)
+    path = save_html(fig, str(tmp_path / "t.html"))
+    text = open(path).read()
+    assert "plotly" in text and len(text) > 1_000_000   # plotly.js embedded: opens offline
+
+
+def test_viz_imports_no_torch():
+    code = "import sys, mlmkit.viz; bad=[m for m in sys.modules if m.startswith('torch')]; assert not bad, bad"
+    subprocess.run([sys.executable, "-c", code], check=True)
