@@ -103,6 +103,7 @@ class Cluster:
         self._all_pids: set[int] = set()
         self.start_time_s: Optional[float] = None
         self.master: Optional[tuple[str, int]] = None
+        self.generation = 0                    # bumped whenever an engine is replaced
 
     # ================================================================== lifecycle
     @property
@@ -299,6 +300,7 @@ class Cluster:
         """
         if not self.running:
             raise RuntimeError("Cluster is not running: call start() or use `with Cluster(...) as cluster:`")
+        self.ensure_healthy()
         ranks = list(range(self.world_size)) if ranks is None else list(ranks)
         for r in ranks:
             self.topology._check_rank(r)
@@ -311,13 +313,23 @@ class Cluster:
         import pandas as pd
 
         results = self.run(fn, *args, **kwargs)
-        values = list(results.values())
+        values = [results[r] for r in sorted(results)]
         if values and all(isinstance(v, pd.DataFrame) for v in values):
             return pd.concat(values, ignore_index=True)
         rows = []
-        for r, v in results.items():
+        for r, v in sorted(results.items()):
             rows.append({"rank": r, **(v if isinstance(v, dict) else {"result": v})})
         return pd.DataFrame(rows).set_index("rank")
+
+    def ensure_healthy(self) -> list[int]:
+        """Replace engines that vanished since the last call (e.g. killed between cells).
+
+        Returns the ranks that got new engines (and bumps :attr:`generation`)."""
+        ids = set(self.client.ids)
+        gone = [r for r in range(self.world_size) if self.engine_ids[r] not in ids or not self._engine_alive(r)]
+        if gone:
+            self._recover(dead=gone, stuck=[])
+        return gone
 
     def activate(self, suffix: str = "") -> None:
         """Register ``%px``/``%%px`` magics on this cluster's engines (in rank order)."""
@@ -352,11 +364,11 @@ class Cluster:
                 if ar.ready():
                     try:
                         results[r] = ar.get(0)
-                    except RemoteError as err:
-                        failures[r] = (time.monotonic(), _remote_text(err))
-                    except Exception as err:  # noqa: BLE001 - e.g. EngineError: engine died
-                        if "died" in str(err).lower() or not self._engine_alive(r):
+                    except Exception as err:  # noqa: BLE001 - RemoteError, or EngineError when it died
+                        if type(err).__name__ == "EngineError" or not self._engine_alive(r):
                             dead.add(r)
+                        elif isinstance(err, RemoteError):
+                            failures[r] = (time.monotonic(), _remote_text(err))
                         else:
                             failures[r] = (time.monotonic(), f"{type(err).__name__}: {err}")
                 elif not self._engine_alive(r):
@@ -370,11 +382,12 @@ class Cluster:
             time.sleep(0.005)
         stuck = [r for r in pending if r not in results and r not in failures and r not in dead]
         if not failures and not dead and not stuck:
-            return results
+            return {r: results[r] for r in pending}  # in the order asked (rank order by default)
         if not recover:
             r = min(failures, key=lambda k: failures[k][0]) if failures else (sorted(dead) or stuck)[0]
             raise RankError(r, failures[r][1] if r in failures else "no answer")
         replaced = self._recover(dead=sorted(dead), stuck=stuck)
+        dead |= set(replaced) - set(stuck)
         note = f" (ranks {replaced} got new engines)" if replaced else ""
         others = {r: tb for r, (_, tb) in failures.items()}
         if dead:
@@ -392,7 +405,10 @@ class Cluster:
     def _recover(self, *, dead: list[int], stuck: list[int]) -> list[int]:
         """Kill stuck engines, replace dead and killed ones, and re-join every rank on a new port."""
         self._dead_pids = {}
-        replace = sorted(set(dead) | set(stuck))
+        time.sleep(0.2)  # let a dying engine's registration go before checking who is left
+        ids = set(self.client.ids)
+        vanished = {r for r in range(self.world_size) if self.engine_ids[r] not in ids or not self._engine_alive(r)}
+        replace = sorted(set(dead) | set(stuck) | vanished)
         for r in replace:
             self._dead_pids[r] = self.info[r]["pid"]
             if self._is_local(r):
@@ -414,6 +430,7 @@ class Cluster:
                 raise RuntimeError(f"replacement engines for ranks {ranks} did not start in {self.engine_start_timeout_s} s")
             time.sleep(0.1)
         new = sorted(set(self.client.ids) - before)[: len(ranks)]
+        self.generation += 1
         infos = self.client[new].apply_sync(remote.engine_info)
         for r, eid, inf in zip(ranks, new, infos):
             self.engine_ids[r] = eid

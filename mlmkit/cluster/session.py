@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from mlmkit.cluster.cluster import Cluster, EngineDied, RankError
+from mlmkit.cluster.cluster import Cluster, RankError
 from mlmkit.pipeline import ScheduleCursor, make_schedule
 
 __all__ = ["Session"]
@@ -115,24 +115,26 @@ class Session:
         self._build()
 
     def _build(self) -> None:
+        self._generation = self.cluster.generation
         steps = self.cluster.run(_build, self.config.to_dict(), self.checkpoint_dir)
+        self._generation = self.cluster.generation
         self.step_index = steps[0]
         self.cursor = None
 
     def _guarded(self, fn, *args, **kwargs):
+        self.cluster.ensure_healthy()
+        if self.cluster.generation != self._generation:
+            self._build()            # an engine was replaced: it has no trainer, rebuild everywhere
+            if fn is _action:        # the step in progress is gone with it
+                raise RuntimeError("an engine was replaced since the last call; the step restarts: call again")
         try:
             return self.cluster.run(fn, *args, **kwargs)
-        except EngineDied:
-            self._build()            # the replaced engine has no trainer: rebuild everywhere
-            raise
-        except RankError as err:
+        except RankError:
             self.cursor = None
-            try:
+            if self.cluster.generation != self._generation:
+                self._build()
+            else:
                 self.cluster.run(_reset)
-            except RankError:
-                self._build()
-            if "has no attribute 'executor'" in err.remote_traceback or "NoneType" in err.remote_traceback:
-                self._build()
             raise
 
     def _ranks_of_stage(self, pp_rank: int) -> list[int]:
