@@ -183,3 +183,21 @@ def test_session_controls_buttons(cluster):
     assert "steps done: 1" in controls.status.value
     controls.reset_button.click()
     assert (controls.state.position == controls.state.actions).all() or (controls.state.position == 0).all()
+
+
+def test_kernel_killed_abruptly_leaves_no_process(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "kernel.py"
+    script.write_text("import time\nfrom mlmkit.cluster import Cluster\nc = Cluster(n=2).start()\n"
+                      "print(' '.join(map(str, sorted(c.pids()))), flush=True)\ntime.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    assert len(pids) >= 4
+    proc.kill()                                   # like a notebook kernel killed with SIGKILL
+    proc.wait()
+    deadline = time.monotonic() + 15
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert alive(pids) == []

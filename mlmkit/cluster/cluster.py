@@ -141,7 +141,18 @@ class Cluster:
             self.shutdown()
             raise
         self.start_time_s = time.perf_counter() - t0
+        self._start_reaper()
         return self
+
+    def _start_reaper(self) -> None:
+        # A separate watchdog kills controller and engines if this kernel dies abruptly.
+        import subprocess
+        import sys
+
+        pids = sorted(self.pids())
+        self._reaper = subprocess.Popen([sys.executable, "-m", "mlmkit.cluster.reaper", str(os.getpid()),
+                                         *map(str, pids)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL, start_new_session=True)
 
     @classmethod
     def attach(cls, connection_file: str, *, topology: Topology, **kwargs) -> "Cluster":
@@ -268,6 +279,10 @@ class Cluster:
         except Exception:  # noqa: BLE001
             pass
         killed = _reap(pids, wait_s=10.0)
+        reaper = getattr(self, "_reaper", None)
+        if reaper is not None:
+            reaper.kill()
+            reaper.wait(timeout=5)
         self.client = self.view = self.ipp_cluster = None
         if self._profile_dir:
             shutil.rmtree(self._profile_dir, ignore_errors=True)
