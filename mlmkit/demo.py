@@ -1,42 +1,56 @@
-"""`make demo`: the main job. Runs mlmkit on real CPU ranks and prints what each rank did."""
+"""`make demo`: the main job. Executes notebooks/00_quickstart.ipynb headlessly on CPU ranks, writes an
+HTML report with its figures, and prints where it is and a summary (loss, bubble share, memory)."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+import time
+from pathlib import Path
 
-import torch
-
-from mlmkit import Topology
-from mlmkit.distributed import ProcessGroups, run_ranks
-from mlmkit.trace import Tracer
-
-
-def _rank_report(rank: int, world_size: int, tp: int, pp: int, dp: int):
-    topo = Topology(tp=tp, pp=pp, dp=dp)
-    tracer = Tracer(rank=rank)
-    groups = ProcessGroups.build(topo, tracer=tracer)
-    x = torch.full((1024,), float(rank))
-    for axis in ("tp", "dp", "pp"):
-        getattr(groups, axis).all_reduce(x.clone(), site=f"demo.{axis}")
-    return tracer.comm_frame()
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def main(argv=None) -> None:
+def run_quickstart(*, notebook: Path, out_dir: Path, timeout_s: int = 900) -> tuple[Path, dict]:
+    """Execute ``notebook`` with the working directory ``out_dir.parent``; return (report, summary)."""
+    import nbformat
+    from jupyter_client.manager import KernelManager
+    from nbclient import NotebookClient
+    from nbconvert import HTMLExporter
+
+    nb = nbformat.read(notebook, as_version=4)
+    workdir = out_dir.parent
+    km = KernelManager(kernel_name="python3", transport="ipc")  # local sockets, not TCP
+    client = NotebookClient(nb, km=km, timeout=timeout_s, kernel_name="python3",
+                            resources={"metadata": {"path": str(workdir)}})
+    client.execute()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    html, _ = HTMLExporter().from_notebook_node(nb)
+    report = out_dir / "quickstart.html"
+    report.write_text(html, encoding="utf-8")
+    nbformat.write(nb, out_dir / "quickstart.ipynb")
+    summary = json.loads((out_dir / "quickstart_summary.json").read_text())
+    return report, summary
+
+
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--dp", type=int, default=1)
+    parser.add_argument("--notebook", default=str(ROOT / "notebooks" / "00_quickstart.ipynb"))
+    parser.add_argument("--out", default=str(Path.cwd() / "reports"), help="folder for the report (default ./reports)")
     args = parser.parse_args(argv)
-    topo = Topology(tp=args.tp, pp=args.pp, dp=args.dp)
-    print(topo.grid())
-    print(topo.to_frame().to_string())
-    import pandas as pd
-
-    frames = run_ranks(_rank_report, world_size=topo.world_size, args=(args.tp, args.pp, args.dp))
-    comm = pd.concat(frames, ignore_index=True)
-    print("\nTraced collectives per rank and axis (bytes sent on the wire, ring algorithm):")
-    print(comm.pivot_table(index="rank", columns="axis", values="wire_bytes", aggfunc="sum", fill_value=0))
+    t0 = time.perf_counter()
+    print(f"mlmkit demo: running {args.notebook} on 4 CPU ranks (tp=2 x pp=2) ...", flush=True)
+    report, summary = run_quickstart(notebook=Path(args.notebook), out_dir=Path(args.out).resolve())
+    print(f"\nreport: {report}")
+    print(f"final loss:   {summary['final_loss']:.4f}")
+    print(f"bubble share: {summary['bubble_share']:.1%} of the last step (measured)")
+    print("peak memory per rank:")
+    for rank, nbytes in sorted(summary["peak_memory_bytes_per_rank"].items(), key=lambda kv: int(kv[0])):
+        print(f"  rank {rank}: {int(nbytes) / 2**20:8.3f} MiB")
+    print(f"(took {time.perf_counter() - t0:.0f} s)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

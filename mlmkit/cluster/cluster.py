@@ -209,7 +209,8 @@ class Cluster:
         for r in ranks:
             v = self.client[self.engine_ids[r]]
             v.execute(f"import sys as _sys; _sys.path[:0] = [p for p in {paths!r} if p not in _sys.path]; "
-                      f"from mlmkit.cluster.engine import EngineState as _S; {STATE} = _S(); rank = {r}", block=True)
+                      f"import torch; from mlmkit.cluster.engine import EngineState as _S; {STATE} = _S(); "
+                      f"rank = {r}", block=True)
             threads = self.threads or max(1, (self.info[r]["cpus"] or 1) // per_host[hosts[r]])
             results[r] = v.apply_async(
                 _setup_remote, _ref(), rank=r, world_size=self.world_size, topology=self.topology,
@@ -310,8 +311,10 @@ class Cluster:
         """Run ``fn(rank_state, *args, **kwargs)`` on the given ranks (default: all); results by rank.
 
         ``rank_state`` is the engine's :class:`~mlmkit.cluster.engine.EngineState` (``.rank``,
-        ``.groups``, ``.device``, ``.trainer``, ``.data``). ``fn`` is shipped by value (cloudpickle),
-        so a function defined in the notebook works. Raises :class:`RankError` and friends.
+        ``.groups``, ``.device``, ``.trainer``, ``.data``). A function defined in the notebook is
+        shipped by value and its global names resolve in the engine's namespace, where ``torch``
+        is already imported: import anything else inside the function. Functions of importable
+        modules are shipped by reference. Raises :class:`RankError` and friends.
         """
         if not self.running:
             raise RuntimeError("Cluster is not running: call start() or use `with Cluster(...) as cluster:`")

@@ -50,6 +50,11 @@ class CommGroup:
         self.pg = pg
         self.tracer = tracer
 
+    @classmethod
+    def single(cls, axis: str = "tp", *, tracer: Optional["Tracer"] = None) -> "CommGroup":
+        """A group of one rank (no communication): what serial code passes where a group is expected."""
+        return cls(axis=axis, ranks=[0], global_rank=0, pg=None, tracer=tracer)
+
     @property
     def size(self) -> int:
         return len(self.ranks)

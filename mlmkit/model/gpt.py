@@ -55,7 +55,7 @@ def seeded_normal(seed: int, name: str, std: float):
 
 
 def _single_group() -> CommGroup:
-    return CommGroup(axis="tp", ranks=[0], global_rank=0, pg=None)
+    return CommGroup.single("tp")
 
 
 # --------------------------------------------------------------------------------------- stages

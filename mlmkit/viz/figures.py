@@ -140,7 +140,7 @@ def timeline_figure(timeline: pd.DataFrame, *, title: str = "Pipeline timeline",
     ranks = sorted(timeline["rank"].unique())
     fig.update_layout(
         title=f"{title} (bubble {bubbles.idle.sum() / (bubbles.busy.sum() + bubbles.idle.sum()):.1%})",
-        barmode="overlay", height=120 + 45 * len(ranks), plot_bgcolor="white", bargap=0.15,
+        barmode="overlay", height=170 + 50 * len(ranks), plot_bgcolor="white", bargap=0.15,
         xaxis=dict(title=f"time{f' ({unit})' if unit else ''}", showgrid=True, gridcolor="#eee"),
         yaxis=dict(autorange="reversed", tickvals=ranks,
                    ticktext=[f"rank {r} ({bubbles.loc[r, 'bubble']:.0%} idle)" for r in ranks]),

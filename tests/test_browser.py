@@ -1,0 +1,97 @@
+"""JupyterLab in headless Chromium: open the quickstart notebook, run it, find a plotly figure and the
+schedule explorer widget, keep a screenshot (artifacts/quickstart_lab.png)."""
+
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+ARTIFACTS = ROOT / "artifacts"
+
+pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed "
+                                 "(apt-get install chromium); .ci/run installs it")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture()
+def lab(tmp_path):
+    shutil.copy(ROOT / "notebooks" / "00_quickstart.ipynb", tmp_path / "00_quickstart.ipynb")
+    port, token = _free_port(), secrets.token_hex(16)
+    cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+           f"--ServerApp.token={token}", f"--ServerApp.root_dir={tmp_path}", "--LabApp.expose_app_in_browser=True",
+           "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.append("--allow-root")  # CI runs as root
+    log = open(tmp_path / "lab.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
+            break
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                pytest.fail("JupyterLab did not start:\n" + (tmp_path / "lab.log").read_text()[-3000:])
+            time.sleep(0.5)
+    yield url, token, tmp_path
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
+def test_quickstart_renders_in_jupyterlab(lab):
+    from playwright.sync_api import sync_playwright
+
+    url, token, workdir = lab
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            page.goto(f"{url}/lab/tree/00_quickstart.ipynb?token={token}")
+            page.wait_for_selector(".jp-Notebook", timeout=60_000)
+            page.wait_for_function("window.jupyterapp !== undefined && document.querySelector('.jp-Notebook-cell')",
+                                   timeout=60_000)
+            # The kernel must be ready before running everything.
+            page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
+            page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+            page.wait_for_selector(".jp-OutputArea-output .js-plotly-plot", timeout=150_000)
+            page.wait_for_selector(".jp-OutputArea-output .widget-dropdown select", timeout=150_000)
+            page.wait_for_selector(".jp-OutputArea-output .widget-slider", timeout=60_000)
+            # Wait for the whole notebook (its last cell stops the cluster).
+            page.wait_for_function(
+                "Array.from(document.querySelectorAll('.jp-InputArea-prompt')).every("
+                "e => !e.textContent.includes('*'))", timeout=200_000)
+            errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+            tracebacks = [t for t in errors.all_inner_texts() if "Traceback" in t or "Error" in t.split("\n")[0]]
+            assert not tracebacks, tracebacks[:2]
+            plots = page.locator(".jp-OutputArea-output .js-plotly-plot").count()
+            assert plots >= 5, plots
+            explorer = page.locator(".jp-OutputArea-output .widget-dropdown select").first
+            explorer.scroll_into_view_if_needed()
+            page.screenshot(path=str(ARTIFACTS / "quickstart_lab.png"), full_page=False)
+            assert (workdir / "reports" / "quickstart_summary.json").exists()
+        finally:
+            page.screenshot(path=str(ARTIFACTS / "quickstart_lab_last.png"))
+            browser.close()

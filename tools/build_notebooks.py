@@ -1,0 +1,648 @@
+"""Write notebooks/*.ipynb from the cell sources below (run: python tools/build_notebooks.py).
+
+The notebooks are committed without outputs; CI executes them with nbval (`make test`).
+Keeping their source here makes reviews and edits easy; edit here, then rebuild.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat as nbf
+
+OUT = Path(__file__).resolve().parents[1] / "notebooks"
+KERNEL = {"kernelspec": {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"},
+          "language_info": {"name": "python"}}
+
+
+def md(text: str):
+    return nbf.v4.new_markdown_cell(text.strip())
+
+
+def code(text: str):
+    return nbf.v4.new_code_cell(text.strip())
+
+
+def write(name: str, cells: list) -> None:
+    nb = nbf.v4.new_notebook(cells=cells, metadata=KERNEL)
+    nbf.write(nb, OUT / f"{name}.ipynb")
+    print("wrote", OUT / f"{name}.ipynb")
+
+
+# =====================================================================================================
+QUICKSTART = [
+    md("""
+# 00 · Quickstart: a tiny GPT trained with tensor × pipeline parallelism
+
+This notebook starts **4 ranks** (ipyparallel engines: one CPU process each, or one GPU each when
+CUDA exists), trains a tiny byte-level GPT with **tp = 2** (each weight matrix split in two) and
+**pp = 2** (the layer stack cut into two pipeline stages), and shows per rank:
+
+* the loss going down,
+* the pipeline **timeline** (forward/backward blocks, idle *bubbles*),
+* **memory** per rank (parameters, gradients, optimizer state, activations) next to the estimate,
+* **communication** per rank and axis next to the estimate.
+
+Runs on a laptop without a GPU in about a minute.
+"""),
+    code("""
+import json, os
+from pathlib import Path
+
+import plotly.io as pio
+pio.renderers.default = "notebook"        # figures embed plotly.js: the exported HTML works offline
+
+from mlmkit.cluster import Cluster
+from mlmkit.train import demo_config
+from mlmkit.estimate import estimate_comm, estimate_memory
+from mlmkit.estimate.compare import compare_comm, compare_memory
+from mlmkit.viz import (comm_by_axis_figure, comm_heatmap, memory_figure, schedule_explorer,
+                        timeline_figure, topology_figure)
+
+config = demo_config(max_steps=30)        # 4-layer GPT, hidden 64, tp=2 x pp=2, 1F1B with 4 microbatches
+config
+"""),
+    md("The rank grid: Megatron-LM's order puts the two halves of each layer (tp) on neighbouring ranks."),
+    code("""
+topology_figure(config.topology.to_frame())
+"""),
+    md("Start the cluster: 4 engines, `torch.distributed` (gloo on CPU) and the process groups of the grid."),
+    code("""
+cluster = Cluster(topology=config.topology).start()
+cluster
+"""),
+    md("""
+## Train
+A `Session` builds the same `Trainer` on every rank. `train(n)` runs `n` whole steps; the
+`02_pipeline_schedules` notebook steps through a single step action by action.
+"""),
+    code("""
+session = cluster.session(config)
+metrics = session.train(29)
+metrics.tail()
+"""),
+    code("""
+import plotly.express as px
+px.line(metrics, x="step", y="loss", title="Training loss (byte-level GPT on the shipped corpus)")
+"""),
+    code("""
+assert metrics.loss.iloc[-3:].mean() < metrics.loss.iloc[:3].mean() - 0.5, "the model should learn"
+"""),
+    md("""
+## One more step, traced
+Traces of the last step: every schedule action, every collective and message, and memory after
+every action, from all 4 ranks.
+"""),
+    code("""
+session.traces(clear=True)                 # drop the earlier steps' rows
+last = session.step()
+traces = session.traces()
+timeline = traces["events"]
+timeline_figure(timeline, title="Measured pipeline timeline of the last step", unit="s")
+"""),
+    code("""
+from mlmkit.viz import bubble_table
+bubbles = bubble_table(timeline)
+bubbles
+"""),
+    code("""
+opts = dict(micro_batch_size=config.micro_batch_size, microbatches=config.microbatches)
+mem_est = estimate_memory(config.model, config.topology, **opts)
+memory_figure(traces["memory"], estimate=mem_est)
+"""),
+    code("""
+mem_table = compare_memory(traces["memory"], mem_est)
+exact = mem_table[mem_table.kind != "activations"]
+assert (exact.measured == exact.estimated).all()           # parameters, gradients, optimizer: exact
+assert ((mem_table[mem_table.kind == "activations"].ratio - 1).abs() < 0.10).all()
+mem_table.pivot(index="rank", columns="kind", values="ratio")
+"""),
+    code("""
+comm_est = estimate_comm(config.model, config.topology, **opts)
+comm_table = compare_comm(traces["comm"], comm_est)
+assert (comm_table.measured == comm_table.estimated).all()  # every byte accounted for
+comm_by_axis_figure(traces["comm"], estimate=comm_est)
+"""),
+    code("""
+comm_heatmap(traces["comm"])
+"""),
+    md("""
+## Explore schedules without a cluster
+Change the schedule, the number of stages `p`, microbatches `m`, chunks `v` and the costs of
+forward (F), backward (B) and weight-gradient (W) passes: the simulated timeline updates live.
+"""),
+    code("""
+schedule_explorer(schedule="1f1b", stages=2, microbatches=4)
+"""),
+    code("""
+summary = {
+    "final_loss": float(metrics.loss.iloc[-1]),
+    "last_step_loss": float(last["loss"]),
+    "bubble_share": float(bubbles.idle.sum() / (bubbles.busy.sum() + bubbles.idle.sum())),
+    "peak_memory_bytes_per_rank": {int(r): int(v) for r, v in
+        (traces["memory"].assign(total=lambda m: m.parameters + m.gradients + m.optimizer + m.activations_peak)
+         .groupby("rank").total.max()).items()},
+}
+Path("reports").mkdir(exist_ok=True)
+Path("reports/quickstart_summary.json").write_text(json.dumps(summary, indent=2))
+summary
+"""),
+    md("Always stop the cluster: process groups first, then engines and controller."),
+    code("""
+cluster.shutdown()
+"""),
+]
+
+# =====================================================================================================
+TENSOR_PARALLEL = [
+    md("""
+# 01 · Tensor parallelism, step by step
+
+Megatron-LM (Shoeybi et al. 2019) splits each layer's weight matrices across `t` ranks:
+
+* **ColumnParallelLinear** `A = [A_1, A_2]` split by output columns: rank *i* computes `X A_i`.
+  The input enters the TP region through **f** (identity forward, all-reduce backward).
+* **RowParallelLinear** `B = [B_1; B_2]` split by input rows: rank *i* computes `Y_i B_i`, then
+  **g** sums the partial results (all-reduce forward, identity backward).
+
+A column→row pair (the MLP, or attention with heads split) costs one all-reduce forward and one
+backward. Here we run both on **2 ranks** and check every number against the serial layer.
+"""),
+    code("""
+import torch
+import torch.nn.functional as F
+from mlmkit import Topology
+from mlmkit.cluster import Cluster
+
+cluster = Cluster(topology=Topology(tp=2)).start()
+cluster
+"""),
+    md("Build the same MLP on both ranks. Weights come from a seed at full size and are then sliced, so the pair equals the serial MLP. (`cluster.run` ships a notebook function to every engine; `torch` is imported there, anything else is imported inside the function.)"),
+    code("""
+def build_mlp(r, h=64, ffn=256):
+    from mlmkit.model import seeded_normal
+    from mlmkit.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from mlmkit.trace import Tracer
+    tracer = Tracer(rank=r.rank)
+    r.groups.set_tracer(tracer)
+    fc1 = ColumnParallelLinear(h, ffn, tp=r.groups.tp, init=seeded_normal(0, "fc1", 0.02), site="mlp.fc1")
+    fc2 = RowParallelLinear(ffn, h, tp=r.groups.tp, init=seeded_normal(0, "fc2", 0.02), site="mlp.fc2")
+    r.data.update(fc1=fc1, fc2=fc2, tracer=tracer)
+    from mlmkit.model import shard_table
+    return shard_table(torch.nn.ModuleDict({"fc1": fc1, "fc2": fc2}), rank=r.rank)
+
+shards = cluster.run_frame(build_mlp)
+shards
+"""),
+    md("Shard shapes: fc1 keeps 128 of 256 output rows per rank (split dim 0), fc2 keeps 128 of 256 input columns (split dim 1); fc2's bias is replicated and added after the sum."),
+    code("""
+from mlmkit.viz import shard_figure
+shard_figure(shards)
+"""),
+    md("Forward and backward on the same input `x` of shape `[s, b, h] = [8, 2, 64]` on every rank."),
+    code("""
+def run_mlp(r):
+    import torch.nn.functional as F           # engines run the function: import what it uses inside
+    fc1, fc2, tracer = r.data["fc1"], r.data["fc2"], r.data["tracer"]
+    tracer.clear()
+    x = torch.randn(8, 2, 64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    y = fc2(F.gelu(fc1(x)))           # f (identity) -> local matmuls -> g (all-reduce)
+    y.sum().backward()                # g (identity) -> local grads -> f (all-reduce of dL/dx)
+    return {"y": y.detach(), "x_grad": x.grad, "fc1_grad": fc1.weight.grad, "comm": tracer.comm_frame()}
+
+out = cluster.run(run_mlp)
+out[0]["comm"][["rank", "op", "axis", "bytes", "wire_bytes", "site", "phase"]]
+"""),
+    md("Exactly two all-reduces of `[s, b, h]` (8·2·64·4 = 4096 bytes): **g** in forward (site `mlp.fc2`) and **f** in backward (site `mlp.fc1`). Now the serial reference:"),
+    code("""
+from mlmkit.model import seeded_normal
+x = torch.randn(8, 2, 64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+W1, W2 = seeded_normal(0, "fc1", 0.02)((256, 64)), seeded_normal(0, "fc2", 0.02)((64, 256))
+W1.requires_grad_(); W2.requires_grad_()
+y = F.linear(F.gelu(F.linear(x, W1)), W2)
+y.sum().backward()
+
+for rank in (0, 1):
+    assert (out[rank]["y"] - y.detach()).abs().max() < 1e-5                 # same output on both ranks
+    assert (out[rank]["x_grad"] - x.grad).abs().max() < 1e-5                # f summed the input gradient
+full_fc1_grad = torch.cat([out[0]["fc1_grad"], out[1]["fc1_grad"]], dim=0)  # column shards stack back
+assert (full_fc1_grad - W1.grad).abs().max() < 1e-5
+print("max |y - y_serial| =", float((out[0]["y"] - y).abs().max()))
+"""),
+    md("""
+## Attention with heads split
+`ParallelAttention` splits the 4 heads 2 + 2: the fused QKV weight is laid out per head so that a
+contiguous slice gives each rank whole heads. Same check against the serial module (tp = 1).
+"""),
+    code("""
+def run_attention(r):
+    from mlmkit.model import tiny_config
+    from mlmkit.model.gpt import ParallelAttention
+    from mlmkit.tensor_parallel import TPRandomState
+    cfg = tiny_config()
+    attn = ParallelAttention(cfg, layer=0, tp=r.groups.tp, sequence_parallel=False,
+                             rng=TPRandomState(seed=0, tp_rank=r.groups.tp.rank))
+    x = torch.randn(16, 2, 64, generator=torch.Generator().manual_seed(1))
+    return {"out": attn(x).detach(), "heads_here": attn.heads_local, "qkv_local": tuple(attn.qkv.weight.shape)}
+
+att = cluster.run(run_attention)
+from mlmkit.model import tiny_config
+from mlmkit.model.gpt import ParallelAttention
+from mlmkit.distributed import CommGroup
+from mlmkit.tensor_parallel import TPRandomState
+serial = ParallelAttention(tiny_config(), layer=0, tp=CommGroup.single("tp"), sequence_parallel=False,
+                           rng=TPRandomState(seed=0))
+ref = serial(torch.randn(16, 2, 64, generator=torch.Generator().manual_seed(1))).detach()
+for rank in (0, 1):
+    assert (att[rank]["out"] - ref).abs().max() < 1e-5
+{rank: (v["heads_here"], v["qkv_local"]) for rank, v in att.items()}
+"""),
+    md("""
+**Bytes moved.** Per Transformer layer and microbatch: 2 all-reduces forward (attention, MLP) and 2
+backward, each of `[s, b, h]`; a ring all-reduce sends `2(t-1)/t` of the tensor per rank.
+With sequence parallelism they become all-gathers and reduce-scatters of the same total volume.
+"""),
+    code("""
+cluster.shutdown()
+"""),
+]
+
+# =====================================================================================================
+PIPELINE = [
+    md("""
+# 02 · Pipeline schedules and their bubbles
+
+**Pipeline parallelism** cuts the layer stack into `p` *stages*, one per rank. A batch is cut into
+`m` *microbatches*; each flows forward through the stages, then its gradient flows backward.
+
+A stage cannot start a microbatch before the previous stage hands it over, so at the start and
+the end of every step some stages **wait**. That idle time is the **pipeline bubble**. With
+forward cost `F` and backward cost `B` per stage and microbatch:
+
+* **GPipe** runs all forwards, then all backwards. Each rank is busy `m(F+B)` out of a step of
+  `(m + p - 1)(F + B)`: the bubble is **(p-1)/(m+p-1)** of the step. More microbatches, smaller bubble,
+  but every rank holds the activations of all `m` microbatches.
+* **1F1B** (PipeDream-Flush) alternates one forward and one backward once the pipeline is full: same
+  bubble, but rank `r` never holds more than `p - r` microbatches.
+* **Interleaved 1F1B** gives each rank `v` smaller *chunks* of layers: the bubble shrinks `v`-fold,
+  **(p-1)/(v·m)** of the ideal time, for more messages.
+* **ZB-H1** (zero bubble) splits backward into B (input gradient, which the previous stage waits
+  for) and W (weight gradient, which nobody waits for) and fills bubbles with W.
+
+In mlmkit a schedule is **data**: a list of actions per rank. The same object is validated,
+simulated, drawn and executed.
+"""),
+    code("""
+from mlmkit.pipeline import make_schedule, simulate, validate
+s = make_schedule("1f1b", stages=4, microbatches=8)
+print(s)                     # compute actions per rank; sends and receives are in s.actions too
+s.to_frame().head(8)
+"""),
+    md("## Simulate all four (uniform costs, free communication)"),
+    code("""
+import pandas as pd
+rows = []
+for name, chunks in [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)]:
+    res = simulate(make_schedule(name, stages=4, microbatches=8, chunks=chunks),
+                   {"forward": 1.0, "backward": 1.0, "weight": 1.0})
+    rows.append({"schedule": name, "step_time": res.step_time, "bubble_of_step": res.bubble_fraction,
+                 "bubble_of_ideal": res.bubble_ratio, "peak_inflight": list(res.peak_inflight.values())})
+table = pd.DataFrame(rows).set_index("schedule")
+table
+"""),
+    code("""
+p, m = 4, 8
+assert abs(table.loc["gpipe", "bubble_of_step"] - (p - 1) / (m + p - 1)) < 1e-9
+assert abs(table.loc["interleaved-1f1b", "bubble_of_ideal"] - (p - 1) / (2 * m)) < 1e-9
+idle = lambda n: table.loc[n, "step_time"] * table.loc[n, "bubble_of_step"]
+assert abs(idle("zb-h1") / idle("1f1b") - 1 / 3) < 1e-9      # a third of 1F1B's bubble
+"""),
+    code("""
+from mlmkit.viz import timeline_figure
+timeline_figure(simulate(make_schedule("1f1b", stages=4, microbatches=8), {"forward": 1, "backward": 2}).timeline,
+                title="1F1B, p=4, m=8 (grey = bubble)")
+"""),
+    md("## The explorer: try your own p, m, v and costs"),
+    code("""
+from mlmkit.viz import schedule_explorer
+explorer = schedule_explorer(schedule="interleaved-1f1b", stages=4, microbatches=8, chunks=2)
+explorer
+"""),
+    code("""
+explorer.microbatches.value = 16            # widgets can be driven from code too
+explorer.result
+"""),
+    md("""
+## Schedules that must not run are caught before they run
+A hand-written schedule is checked like a generated one: matching sends and receives, forward
+before backward, and a dry run of the send/receive graph that finds deadlocks.
+"""),
+    code("""
+from mlmkit.pipeline import ScheduleError, schedule_from_table
+broken = schedule_from_table([
+    {"rank": 0, "kind": "F", "microbatch": 0}, {"rank": 0, "kind": "RECV_GRAD", "microbatch": 0, "peer": 1},
+    {"rank": 0, "kind": "SEND_ACT", "microbatch": 0, "peer": 1}, {"rank": 0, "kind": "B", "microbatch": 0},
+    {"rank": 1, "kind": "RECV_ACT", "microbatch": 0, "peer": 0}, {"rank": 1, "kind": "F", "microbatch": 0},
+    {"rank": 1, "kind": "B", "microbatch": 0}, {"rank": 1, "kind": "SEND_GRAD", "microbatch": 0, "peer": 0},
+])
+try:
+    validate(broken)
+except ScheduleError as err:
+    print(err)
+"""),
+    md("""
+## Now for real: measured over simulated
+Two ranks (pp = 2) run 1F1B on the tiny GPT. We then calibrate the simulator with the measured
+forward and backward times and lay the prediction over the measurement.
+"""),
+    code("""
+from mlmkit.cluster import Cluster
+from mlmkit.model import GPTConfig
+from mlmkit.train import TrainConfig
+config = TrainConfig(model=GPTConfig(vocab_size=256, seq_len=32, hidden=64, heads=4, layers=4),
+                     pp=2, schedule="1f1b", micro_batch_size=4, global_batch_size=16)
+cluster = Cluster(topology=config.topology).start()
+session = cluster.session(config)
+session.step()                               # warm-up
+"""),
+    md("Step through the first actions one by one: each call runs every rank whose next action can complete."),
+    code("""
+for _ in range(4):
+    print(session.step_action())
+session.state()[["pp", "position", "actions", "next_action", "held", "activation_bytes"]]
+"""),
+    code("""
+session.step()                               # finish this step
+session.traces(clear=True)
+session.step()                               # the measured step
+measured = session.traces()["events"]
+from mlmkit.pipeline import Costs
+stats = measured.assign(d=measured.end - measured.start).groupby(["rank", "action"]).d.mean().unstack()
+costs = Costs(forward=list(stats["F"]), backward=list(stats["B"]))
+sim = simulate(make_schedule("1f1b", stages=2, microbatches=config.microbatches), costs)
+from mlmkit.viz import timeline_comparison
+timeline_comparison(sim.timeline, measured, title="1F1B on 2 ranks: simulated (calibrated) vs measured")
+"""),
+    code("""
+span = measured.end.max() - measured.start.min()
+print(f"measured step {span*1e3:.1f} ms, simulated {sim.step_time*1e3:.1f} ms")
+"""),
+    code("""
+cluster.shutdown()
+"""),
+]
+
+# =====================================================================================================
+DATA_3D = [
+    md("""
+# 03 · Data parallelism, ZeRO-1 and an 8-rank 3D grid
+
+**Data parallelism** runs `d` replicas of the model on different slices of the batch and averages
+their gradients with an all-reduce (in buckets, so fewer, larger messages). **ZeRO-1** (Megatron-LM's
+*distributed optimizer*) shards the optimizer state over the replicas: gradients are
+reduce-scattered, each replica updates its shard, the new parameters are all-gathered.
+
+Here: tp = 2, pp = 2, dp = 2 on **8 ranks**.
+"""),
+    code("""
+from mlmkit.cluster import Cluster
+from mlmkit.model import GPTConfig
+from mlmkit.train import TrainConfig
+from mlmkit.viz import topology_figure
+config = TrainConfig(model=GPTConfig(vocab_size=256, seq_len=32, hidden=64, heads=4, layers=4),
+                     tp=2, pp=2, dp=2, micro_batch_size=2, global_batch_size=16, zero1=True)
+topology_figure(config.topology.to_frame(), color_by="dp")
+"""),
+    code("""
+cluster = Cluster(topology=config.topology).start()
+cluster
+"""),
+    code("""
+session = cluster.session(config)
+session.train(3, progress=False)
+session.traces(clear=True)
+session.step()
+traces = session.traces()
+"""),
+    md("## Gradient synchronisation volume per rank"),
+    code("""
+from mlmkit.estimate import estimate_comm
+from mlmkit.estimate.compare import compare_comm, measured_comm
+opts = dict(micro_batch_size=config.micro_batch_size, microbatches=config.microbatches)
+est = estimate_comm(config.model, config.topology, zero1=True, **opts)
+table = compare_comm(traces["comm"], est)
+assert (table.measured == table.estimated).all()
+measured_comm(traces["comm"])
+"""),
+    code("""
+from mlmkit.viz import comm_by_axis_figure
+comm_by_axis_figure(traces["comm"], estimate=est)
+"""),
+    md("## Memory per rank, and what ZeRO-1 saves"),
+    code("""
+from mlmkit.estimate import estimate_memory
+from mlmkit.viz import memory_figure
+mem_est = estimate_memory(config.model, config.topology, zero1=True, **opts)
+memory_figure(traces["memory"], estimate=mem_est)
+"""),
+    code("""
+import pandas as pd
+plain = estimate_memory(config.model, config.topology, zero1=False, **opts)
+pd.DataFrame({"optimizer bytes (AdamW)": plain.optimizer, "optimizer bytes (ZeRO-1)": mem_est.optimizer})
+"""),
+    code("""
+from mlmkit.estimate import bytes_per_parameter
+pd.DataFrame({"d": [1, 2, 8, 64], "bf16 + AdamW": [bytes_per_parameter() for _ in range(4)],
+              "bf16 + ZeRO-1": [bytes_per_parameter(zero1=True, dp=d) for d in (1, 2, 8, 64)]})
+"""),
+    code("""
+cluster.shutdown()
+"""),
+]
+
+# =====================================================================================================
+MEMORY = [
+    md("""
+# 04 · Memory: estimate against measurement
+
+mlmkit counts memory exactly on the CPU: parameters, gradients, optimizer state, and every
+activation autograd saves for backward (saved-tensor hooks). The estimator
+(`mlmkit.estimate`, pure Python) predicts the same per rank from the model, the layout and the
+schedule, following Korthikanti et al. 2022 (activations per layer `sbh(34 + 5as/h)` and its tensor-,
+sequence-parallel and recompute variants) adapted to what mlmkit's layers store.
+"""),
+    code("""
+import pandas as pd
+from mlmkit.cluster import Cluster
+from mlmkit.estimate import estimate_memory
+from mlmkit.estimate.compare import compare_memory
+from mlmkit.model import GPTConfig
+from mlmkit.train import TrainConfig
+base = TrainConfig(model=GPTConfig(vocab_size=256, seq_len=64, hidden=64, heads=4, layers=4),
+                   tp=2, pp=2, micro_batch_size=4, global_batch_size=32)
+cluster = Cluster(topology=base.topology).start()
+"""),
+    code("""
+def measure(config):
+    session = cluster.session(config)
+    session.step()
+    session.traces(clear=True)
+    session.step()
+    est = estimate_memory(config.model, config.topology, micro_batch_size=config.micro_batch_size,
+                          microbatches=config.microbatches, schedule=config.schedule,
+                          sequence_parallel=config.sequence_parallel, recompute=config.recompute)
+    return session.traces()["memory"], est
+
+variants = {
+    "1F1B": base,
+    "GPipe": base.replace(schedule="gpipe"),
+    "1F1B + recompute": base.replace(recompute=True),
+    "1F1B + sequence parallel": base.replace(sequence_parallel=True),
+}
+rows = []
+for label, cfg in variants.items():
+    memory, est = measure(cfg)
+    table = compare_memory(memory, est)
+    acts = table[table.kind == "activations"].set_index("rank")
+    assert ((acts.ratio - 1).abs() < 0.10).all(), (label, acts)
+    for rank, row in acts.iterrows():
+        rows.append({"variant": label, "rank": rank, "measured MiB": row.measured / 2**20,
+                     "estimated MiB": row.estimated / 2**20, "ratio": row.ratio})
+peaks = pd.DataFrame(rows)
+peaks.pivot(index="variant", columns="rank", values="measured MiB").round(3)
+"""),
+    code("""
+import plotly.express as px
+px.bar(peaks, x="variant", y="measured MiB", color=peaks["rank"].astype(str), barmode="group",
+       title="Peak activation memory per rank (measured); GPipe holds every microbatch")
+"""),
+    code("""
+memory, est = measure(base)
+from mlmkit.viz import memory_figure
+memory_figure(memory, estimate=est)
+"""),
+    md("## The published formulas, for GPT-3 175B (s=2048, h=12288, a=96, b=1, t=8)"),
+    code("""
+from mlmkit.estimate import activation_bytes_per_layer
+kw = dict(s=2048, b=1, h=12288, a=96, precision="bf16", implementation="megatron")
+pd.Series({
+    "no parallelism": activation_bytes_per_layer(**kw),
+    "tensor parallel (t=8)": activation_bytes_per_layer(t=8, **kw),
+    "tensor + sequence parallel": activation_bytes_per_layer(t=8, sequence_parallel=True, **kw),
+    "+ full recompute": activation_bytes_per_layer(t=8, sequence_parallel=True, recompute=True, **kw),
+}).div(2**20).round(1).rename("MiB per layer")
+"""),
+    code("""
+cluster.shutdown()
+"""),
+]
+
+# =====================================================================================================
+DEBUGGING = [
+    md("""
+# 05 · Debugging: how mlmkit reports the usual mistakes
+
+Bad configurations fail before any process starts; a shard-shape mistake names the expected local
+and global shapes; a failing rank is reported with its rank and traceback and the cluster keeps
+working; a schedule that would deadlock is rejected before it runs.
+"""),
+    md("## 1. Configurations that cannot work fail immediately (no process started)"),
+    code("""
+from mlmkit.model import GPTConfig
+from mlmkit.train import TrainConfig
+model = GPTConfig(vocab_size=256, seq_len=32, hidden=66, heads=3, layers=4)
+for bad in [dict(tp=4), dict(tp=1, dp=2, global_batch_size=10, micro_batch_size=4),
+            dict(tp=1, pp=4, schedule="interleaved-1f1b", chunks=2)]:
+    try:
+        TrainConfig(model=model, **bad)
+    except ValueError as err:
+        print(f"{bad}: {err}")
+"""),
+    md("## 2. Shard-shape mistakes name the local and global shapes"),
+    code("""
+from mlmkit import Topology
+from mlmkit.cluster import Cluster, RankError
+cluster = Cluster(topology=Topology(tp=2)).start()
+
+def wrong_input(r):
+    import torch
+    from mlmkit.tensor_parallel import RowParallelLinear
+    fc2 = RowParallelLinear(256, 64, tp=r.groups.tp, site="mlp.fc2")
+    return fc2(torch.zeros(8, 2, 256))        # the full input instead of this rank's slice
+
+try:
+    cluster.run(wrong_input)
+except RankError as err:
+    print("rank", err.rank, "->", err.remote_traceback.strip().splitlines()[-1])
+"""),
+    md("## 3. A rank that fails while its peers wait in a collective"),
+    code("""
+import time
+def one_rank_fails(r):
+    import time
+    if r.rank == 1:
+        time.sleep(0.2)
+        raise RuntimeError("out of memory (simulated) on rank 1")
+    x = torch.ones(1)
+    r.groups.world.all_reduce(x)               # rank 0 waits here for rank 1
+    return x.item()
+
+t0 = time.monotonic()
+try:
+    cluster.run(one_rank_fails)
+except RankError as err:
+    print(f"reported after {time.monotonic() - t0:.2f} s: rank {err.rank}: {err.remote_traceback.splitlines()[-1]}")
+"""),
+    code("""
+def total(r):
+    import torch
+    x = torch.ones(1)
+    r.groups.world.all_reduce(x)
+    return x.item()
+assert cluster.run(total) == {0: 2.0, 1: 2.0}     # the next cell works: groups were rebuilt
+"""),
+    md("## 4. Schedules that would deadlock or mis-pair messages are caught before they run"),
+    code("""
+from mlmkit.pipeline import ScheduleError, make_schedule, schedule_from_table, validate
+# Both ranks receive before they send: each waits for the other forever.
+deadlock = schedule_from_table([
+    (0, "F", 0, None), (0, "RECV_GRAD", 0, 1), (0, "SEND_ACT", 0, 1), (0, "B", 0, None),
+    (1, "RECV_ACT", 0, 0), (1, "F", 0, None), (1, "B", 0, None), (1, "SEND_GRAD", 0, 0),
+])
+try:
+    validate(deadlock)
+except ScheduleError as err:
+    print(err)
+"""),
+    code("""
+from dataclasses import replace
+s = make_schedule("1f1b", stages=2, microbatches=2)
+# Rank 1 receives microbatch 1 first, but rank 0 sends microbatch 0 first (the pp=2 interleaving trap).
+acts = list(s.actions[1])
+i = next(k for k, a in enumerate(acts) if a.kind == "RECV_ACT" and a.microbatch == 1)
+acts.insert(0, acts.pop(i))
+try:
+    validate(replace(s, actions=(s.actions[0], tuple(acts))))
+except ScheduleError as err:
+    print(err)
+"""),
+    code("""
+try:
+    make_schedule("1f1b", stages=4, microbatches=2)
+except ScheduleError as err:
+    print(err)
+"""),
+    code("""
+cluster.shutdown()
+"""),
+]
+
+
+if __name__ == "__main__":
+    OUT.mkdir(exist_ok=True)
+    write("00_quickstart", QUICKSTART)
+    write("01_tensor_parallel", TENSOR_PARALLEL)
+    write("02_pipeline_schedules", PIPELINE)
+    write("03_data_and_3d", DATA_3D)
+    write("04_memory", MEMORY)
+    write("05_debugging", DEBUGGING)
