@@ -1,0 +1,57 @@
+"""The notebook cluster on 4 engines: start time, and the round trip of one stepped call.
+
+Start: ``Cluster.start()`` (engines + torch.distributed + process groups) against plain
+ipyparallel ``Cluster.start_and_connect_sync()`` with the same engines (alternated).
+Round trip: ``Cluster.run`` of a function that does nothing on all 4 ranks (what every stepped
+action pays on top of its compute), against ipyparallel's own ``apply_sync`` on the same engines;
+target: mlmkit's round trip at most 50 ms.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+
+from benchmarks.common import Row, median, paired
+from mlmkit import Topology
+from mlmkit.cluster import Cluster
+
+
+def _noop(*_args):
+    return None
+
+
+def run(quick: bool = False) -> list[Row]:
+    import ipyparallel as ipp
+
+    starts_ours, starts_plain = [], []
+    for _ in range(1 if quick else 2):
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory() as d:
+            c = ipp.Cluster(n=4, profile_dir=d, controller_ip="127.0.0.1", log_level=40)
+            rc = c.start_and_connect_sync(n=4)
+            rc.wait_for_engines(4)
+            starts_plain.append(time.perf_counter() - t0)
+            c.stop_cluster_sync()
+        cluster = Cluster(topology=Topology(tp=2, pp=2))
+        t0 = time.perf_counter()
+        cluster.start()
+        starts_ours.append(time.perf_counter() - t0)
+        reps = 30 if quick else 100
+        ours, plain = [], []
+        view = cluster.client[cluster.engine_ids]
+        for i in range(reps):
+            t0 = time.perf_counter()
+            cluster.run(_noop)
+            ours.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            view.apply_sync(_noop)
+            plain.append(time.perf_counter() - t0)
+        cluster.shutdown()
+    o, b, ratio = paired(ours, plain)
+    return [
+        Row("cluster start (4 engines, gloo groups)", "Cluster.start vs ipyparallel start_and_connect",
+            median(starts_ours), median(starts_plain), "s", "n/a (reported)", None),
+        Row("stepped-call round trip (4 engines)", "Cluster.run(no-op) vs view.apply_sync(no-op)",
+            o * 1e3, b * 1e3, "ms", "mlmkit <= 50 ms", o * 1e3 <= 50, ratio=ratio),
+    ]
