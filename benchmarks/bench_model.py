@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.common import Row, paired
+from benchmarks.common import Row, alternate, paired
 from mlmkit.distributed import ProcessGroups
 from mlmkit.model import GPTConfig
 from mlmkit.train import TrainConfig
@@ -96,15 +96,7 @@ def run(quick: bool = False) -> list[Row]:
         trainer.train_step()
         return time.perf_counter() - t0
 
-    for _ in range(2):
-        step_plain(), step_ours()
-    reps = 8 if quick else 25
-    ours, base = [], []
-    for i in range(reps):
-        if i % 2:
-            ours.append(step_ours()); base.append(step_plain())
-        else:
-            base.append(step_plain()); ours.append(step_ours())
+    ours, base = alternate(step_ours, step_plain, 8 if quick else 25)
     o, b, ratio = paired(ours, base)
     return [Row("GPT train step vs plain PyTorch", "tp=pp=dp=1, h=256, 4 layers, b=8, s=128, 1 thread",
                 o * 1e3, b * 1e3, "ms", "<= 1.05", ratio <= 1.05, ratio=ratio)]

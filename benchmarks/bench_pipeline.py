@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from benchmarks.common import Row, median, paired
+from benchmarks.common import Row, alternate, median, paired
 from mlmkit import Topology
 from mlmkit.distributed import ProcessGroups, run_ranks
 from mlmkit.model import tiny_config
@@ -89,12 +89,7 @@ def _rank(rank, world_size, name, m, reps):
     for _ in range(2):
         step_ours(), step_theirs()
     tracer.clear()
-    t_ours, t_theirs = [], []
-    for i in range(reps):
-        if i % 2:
-            t_ours.append(step_ours()); t_theirs.append(step_theirs())
-        else:
-            t_theirs.append(step_theirs()); t_ours.append(step_ours())
+    t_ours, t_theirs = alternate(step_ours, step_theirs, reps, warmup=0)
     ev = tracer.event_frame()
     # Mean, not median: with more ranks than cores, actions that overlap another rank's compute are
     # slower, and the mean carries that contention into the calibration.

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.common import Row, paired
+from benchmarks.common import Row, alternate, paired
 from mlmkit import Topology
 from mlmkit.distributed import ProcessGroups, run_ranks
 from mlmkit.model import seeded_normal
@@ -55,15 +55,7 @@ def _rank(rank, world_size, reps, s, b, h, ffn):
         model(x).sum().backward()
         return time.perf_counter() - t0
 
-    for _ in range(3):  # warm-up
-        one(ours), one(ref)
-    t_ours, t_ref = [], []
-    for i in range(reps):
-        if i % 2:
-            t_ours.append(one(ours)); t_ref.append(one(ref))
-        else:
-            t_ref.append(one(ref)); t_ours.append(one(ours))
-    return t_ours, t_ref
+    return alternate(lambda: one(ours), lambda: one(ref), reps, warmup=3)
 
 
 def run(quick: bool = False) -> list[Row]:

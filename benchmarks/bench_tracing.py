@@ -7,7 +7,7 @@ import time
 
 import torch.distributed as dist
 
-from benchmarks.common import Row, paired
+from benchmarks.common import Row, alternate, paired
 from mlmkit.distributed import ProcessGroups, run_ranks
 from mlmkit.model import GPTConfig
 from mlmkit.train import TrainConfig
@@ -30,15 +30,7 @@ def _rank(rank, world_size, reps):
         trainer.clear_traces()
         return time.perf_counter() - t0
 
-    for _ in range(2):
-        step(True), step(False)
-    on, off = [], []
-    for i in range(reps):
-        if i % 2:
-            on.append(step(True)); off.append(step(False))
-        else:
-            off.append(step(False)); on.append(step(True))
-    return on, off
+    return alternate(lambda: step(True), lambda: step(False), reps)
 
 
 def run(quick: bool = False) -> list[Row]:

@@ -9,7 +9,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["Row", "format_table", "median", "paired", "write_results"]
+__all__ = ["Row", "alternate", "format_table", "median", "paired", "write_results"]
 
 
 @dataclass
@@ -38,6 +38,19 @@ class Row:
 def paired(ours: list[float], theirs: list[float]) -> tuple[float, float, float]:
     """(median ours, median theirs, median of ours_i / theirs_i)."""
     return median(ours), median(theirs), median([a / b for a, b in zip(ours, theirs)])
+
+
+def alternate(ours, base, reps: int, *, warmup: int = 2) -> tuple[list[float], list[float]]:
+    """Time ``ours()`` and ``base()`` (each returns seconds) ``reps`` times, alternating which runs first."""
+    for _ in range(warmup):
+        ours(), base()
+    a, b = [], []
+    for i in range(reps):
+        if i % 2:
+            a.append(ours()); b.append(base())
+        else:
+            b.append(base()); a.append(ours())
+    return a, b
 
 
 def median(xs) -> float:

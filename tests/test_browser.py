@@ -73,9 +73,20 @@ def test_quickstart_renders_in_jupyterlab(lab):
             page.wait_for_selector(".jp-Notebook", timeout=60_000)
             page.wait_for_function("window.jupyterapp !== undefined && document.querySelector('.jp-Notebook-cell')",
                                    timeout=60_000)
-            # The kernel must be ready before running everything.
+            # The kernel must be ready, and the notebook the current widget, before running everything.
             page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
-            page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+            started = False
+            for _ in range(3):
+                page.locator(".jp-Notebook .jp-Cell").first.click()
+                page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+                try:  # a prompt turns into [*] or [n] once cells run
+                    page.wait_for_function("Array.from(document.querySelectorAll('.jp-InputArea-prompt'))"
+                                           ".some(e => /\\[(\\*|\\d+)\\]/.test(e.textContent))", timeout=20_000)
+                    started = True
+                    break
+                except Exception:  # noqa: BLE001 - try again
+                    page.screenshot(path=str(ARTIFACTS / "quickstart_lab_not_started.png"))
+            assert started, "run-all did not start (see artifacts/quickstart_lab_not_started.png)"
             page.wait_for_selector(".jp-OutputArea-output .js-plotly-plot", timeout=150_000)
             page.wait_for_selector(".jp-OutputArea-output .widget-dropdown select", timeout=150_000)
             page.wait_for_selector(".jp-OutputArea-output .widget-slider", timeout=60_000)

@@ -5,26 +5,16 @@ import json
 import pytest
 import torch
 
-from mlmkit.distributed import ProcessGroups, run_ranks
+from mlmkit.distributed import run_ranks
 from mlmkit.estimate import activation_bytes_per_layer, bytes_per_parameter, estimate_comm, estimate_memory
 from mlmkit.estimate.compare import compare_comm, compare_memory
 from mlmkit.model import GPTConfig
 from mlmkit.trace.export import merge_traces, to_chrome_trace
 from mlmkit.trace.memory import MemoryTracker
 from mlmkit.train import TrainConfig
+from mlmkit.train.trainer import traced_step
 
 MODEL = GPTConfig(vocab_size=256, seq_len=16, hidden=32, heads=4, layers=4)
-
-
-def _traced_step(rank, world_size, cfg_dict):
-    from mlmkit.train.trainer import Trainer
-
-    cfg = TrainConfig.from_dict(cfg_dict)
-    trainer = Trainer(cfg, groups=ProcessGroups.build(cfg.topology))
-    trainer.train_step()          # optimizer state now exists
-    trainer.clear_traces()
-    trainer.train_step()          # the traced step
-    return trainer.traces()
 
 
 VARIANTS = {
@@ -36,7 +26,7 @@ VARIANTS = {
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def traced(request):
     cfg = TrainConfig(model=MODEL, tp=2, pp=2, dp=2, micro_batch_size=2, global_batch_size=16, **VARIANTS[request.param])
-    traces = merge_traces(run_ranks(_traced_step, world_size=8, args=(cfg.to_dict(),), timeout_s=300))
+    traces = merge_traces(run_ranks(traced_step, world_size=8, args=(cfg.to_dict(),), timeout_s=300))
     return cfg, traces
 
 

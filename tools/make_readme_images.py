@@ -8,27 +8,17 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from mlmkit.distributed import ProcessGroups, run_ranks
+from mlmkit.distributed import run_ranks
 from mlmkit.estimate import estimate_memory
 from mlmkit.model import GPTConfig
 from mlmkit.trace.export import merge_traces
 from mlmkit.train import TrainConfig
+from mlmkit.train.trainer import traced_step
 from mlmkit.viz import memory_figure, save_html, timeline_comparison
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "images"
 CFG = TrainConfig(model=GPTConfig(vocab_size=256, seq_len=64, hidden=64, heads=4, layers=4), tp=2, pp=2,
                   micro_batch_size=4, global_batch_size=32)
-
-
-def _rank(rank, world_size, cfg_dict):
-    from mlmkit.train.trainer import Trainer
-
-    cfg = TrainConfig.from_dict(cfg_dict)
-    t = Trainer(cfg, groups=ProcessGroups.build(cfg.topology))
-    t.train_step()
-    t.clear_traces()
-    t.train_step()
-    return t.traces()
 
 
 def shoot(fig, name: str, width: int = 1100, height: int = 600) -> None:
@@ -51,7 +41,7 @@ if __name__ == "__main__":
     from mlmkit.pipeline import Costs, make_schedule, simulate
 
     OUT.mkdir(parents=True, exist_ok=True)
-    traces = merge_traces(run_ranks(_rank, world_size=4, args=(CFG.to_dict(),), timeout_s=600))
+    traces = merge_traces(run_ranks(traced_step, world_size=4, args=(CFG.to_dict(),), timeout_s=600))
     ev = traces["events"]
     stats = ev.assign(d=ev.end - ev.start).groupby(["rank", "action"]).d.mean().unstack()
     per_stage = stats.groupby(stats.index // 2).mean()                 # ranks 0,1 = stage 0; 2,3 = stage 1

@@ -30,7 +30,7 @@ from mlmkit.train.lr import lr_at
 from mlmkit.trace import Tracer
 from mlmkit.trace.memory import MemoryTracker
 
-__all__ = ["Trainer"]
+__all__ = ["Trainer", "traced_step"]
 
 
 class Trainer:
@@ -166,3 +166,15 @@ class Trainer:
         c = self.config
         return (f"Trainer(rank={self.groups.rank}, {c.topology!r}, schedule={c.schedule}, step={self.step}, "
                 f"zero1={c.zero1}, sp={c.sequence_parallel}, recompute={c.recompute})")
+
+
+def traced_step(rank: int, world_size: int, config_dict: dict, warmup_steps: int = 1) -> dict:
+    """A :func:`mlmkit.distributed.run_ranks` target: build a Trainer from ``config_dict``, run
+    ``warmup_steps`` steps (so optimizer state exists), trace one more step, return its traces."""
+    cfg = TrainConfig.from_dict(config_dict)
+    trainer = Trainer(cfg, groups=ProcessGroups.build(cfg.topology))
+    for _ in range(warmup_steps):
+        trainer.train_step()
+    trainer.clear_traces()
+    trainer.train_step()
+    return trainer.traces()
