@@ -58,11 +58,27 @@ def lab(tmp_path):
     log.close()
 
 
+def _give_up(signum, frame):
+    raise TimeoutError("the browser test ran past its 10-minute bound")
+
+
 def test_quickstart_renders_in_jupyterlab(lab):
+    import signal
+
     from playwright.sync_api import sync_playwright
 
     url, token, workdir = lab
     ARTIFACTS.mkdir(exist_ok=True)
+    previous = signal.signal(signal.SIGALRM, _give_up)
+    signal.alarm(600)  # every step below has its own timeout; this bounds the whole test anyway
+    try:
+        _drive_lab(sync_playwright, url, token, workdir)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _drive_lab(sync_playwright, url, token, workdir):
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
             "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
@@ -78,7 +94,8 @@ def test_quickstart_renders_in_jupyterlab(lab):
             started = False
             for _ in range(3):
                 page.locator(".jp-Notebook .jp-Cell").first.click()
-                page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+                # Do not await the command: its promise settles only when every cell has run.
+                page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); return true; }")
                 try:  # a prompt turns into [*] or [n] once cells run
                     page.wait_for_function("Array.from(document.querySelectorAll('.jp-InputArea-prompt'))"
                                            ".some(e => /\\[(\\*|\\d+)\\]/.test(e.textContent))", timeout=20_000)
