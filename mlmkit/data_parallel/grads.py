@@ -87,10 +87,10 @@ def clip_grad_norm(params: Sequence[nn.Parameter], groups: ProcessGroups, *, max
     Same rule as ``torch.nn.utils.clip_grad_norm_``: scale by ``max_norm / (norm + 1e-6)`` if < 1.
     """
     if local_sumsq is None:
-        sq = torch.zeros((), dtype=torch.float64, device=groups.device)
-        for p in params:
-            if p.grad is not None and counted_once(p, groups):
-                sq += p.grad.detach().double().pow(2).sum()
+        grads = [p.grad.detach() for p in params if p.grad is not None and counted_once(p, groups)]
+        norms = torch._foreach_norm(grads) if grads else []          # one fp32 norm per tensor
+        sq = torch.stack(norms).double().pow(2).sum() if grads else torch.zeros((), dtype=torch.float64,
+                                                                                  device=groups.device)
         groups.world.all_reduce(sq, site="grad_norm")
         total = sq / groups.topology.dp
     else:
@@ -99,7 +99,7 @@ def clip_grad_norm(params: Sequence[nn.Parameter], groups: ProcessGroups, *, max
     norm = math.sqrt(float(total))
     coef = max_norm / (norm + 1e-6)
     if coef < 1.0:
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, coef)
     return norm
