@@ -24,7 +24,11 @@ def run_quickstart(*, notebook: Path, out_dir: Path, timeout_s: int = 900) -> tu
     km = KernelManager(kernel_name="python3", transport="ipc")  # local sockets, not TCP
     client = NotebookClient(nb, km=km, timeout=timeout_s, kernel_name="python3",
                             resources={"metadata": {"path": str(workdir)}})
-    client.execute()
+    try:
+        client.execute()
+    finally:
+        if km.has_kernel:  # we own the kernel manager, so we stop the kernel
+            km.shutdown_kernel(now=False)
     out_dir.mkdir(parents=True, exist_ok=True)
     html, _ = HTMLExporter().from_notebook_node(nb)
     report = out_dir / "quickstart.html"

@@ -5,7 +5,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
-__all__ = ["GPTConfig", "tiny_config"]
+__all__ = ["GPTConfig", "reject_unknown_keys", "tiny_config"]
+
+
+def reject_unknown_keys(cls, data: dict) -> None:
+    """ValueError naming every key of ``data`` that is not a field of the dataclass ``cls``."""
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown key(s) {unknown}; known keys are {sorted(known)}")
 
 
 def _positive_int(name: str, value: object) -> None:
@@ -94,10 +102,7 @@ class GPTConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "GPTConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"GPTConfig: unknown key(s) {unknown}; known keys are {sorted(known)}")
+        reject_unknown_keys(cls, data)
         return cls(**data)
 
 

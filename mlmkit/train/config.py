@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
-from mlmkit.model.config import GPTConfig
+from mlmkit.model.config import GPTConfig, reject_unknown_keys
 from mlmkit.pipeline.schedule import SCHEDULES, make_schedule
 from mlmkit.topology import Topology
 
@@ -120,10 +120,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "TrainConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"TrainConfig: unknown key(s) {unknown}; known keys are {sorted(known)}")
+        reject_unknown_keys(cls, data)
         data = dict(data)
         if "model" not in data:
             raise ValueError("TrainConfig: the 'model' section is missing")
