@@ -9,7 +9,6 @@ import time
 import pytest
 import torch
 
-from mlmkit import Topology
 from mlmkit.distributed import ProcessGroups, RankFailure, run_ranks
 from mlmkit.model import GPT, GPTConfig
 from mlmkit.train import TrainConfig
