@@ -201,7 +201,7 @@ def memory_figure(memory: pd.DataFrame, *, estimate: Optional[pd.DataFrame] = No
         k = int(total.values.argmax())
         fig.add_trace(go.Scatter(x=[t.iloc[k]], y=[total.iloc[k] / mib], mode="markers+text", name="peak",
                                  legendgroup="peak", showlegend=(i == 0), marker=dict(symbol="triangle-down", size=10, color="black"),
-                                 text=[f"peak {total.iloc[k] / mib:.2f} MiB"], textposition="top center"), row=row, col=col)
+                                 text=[f"peak {total.iloc[k] / mib:.2f} MiB"], textposition="top right"), row=row, col=col)
         if estimate is not None and r in estimate.index:
             est = float(estimate.loc[r, "total"]) / mib
             fig.add_trace(go.Scatter(x=[t.min(), t.max()], y=[est, est], mode="lines", name="estimate",
