@@ -29,6 +29,18 @@ def cluster():
     assert alive(pids) == []
 
 
+def _world_sum_of_ranks(r):
+    x = torch.tensor([float(r.rank)])
+    r.groups.world.all_reduce(x)
+    return x.item()
+
+
+def _world_sum_of_ones(r):
+    x = torch.ones(1)
+    r.groups.world.all_reduce(x)
+    return x.item()
+
+
 def test_ranks_display_and_run(cluster):
     df = cluster.to_frame()
     assert list(df.index) == [0, 1, 2, 3]
@@ -37,12 +49,7 @@ def test_ranks_display_and_run(cluster):
     assert "Topology(tp=2, pp=2, dp=1)" in cluster._repr_html_()
     assert cluster.run(lambda r: list(r.groups.tp.ranks)) == {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}
 
-    def total(r):
-        x = torch.tensor([float(r.rank)])
-        r.groups.world.all_reduce(x)
-        return x.item()
-
-    assert cluster.run(total) == {r: 6.0 for r in range(4)}
+    assert cluster.run(_world_sum_of_ranks) == {r: 6.0 for r in range(4)}
     assert cluster.run(lambda r: r.rank * 10, ranks=[1, 3]) == {1: 10, 3: 30}
     frame = cluster.run_frame(lambda r: {"pp": r.groups.coords.pp})
     assert list(frame.pp) == [0, 0, 1, 1]
@@ -118,12 +125,7 @@ def test_rank_raising_while_peers_wait_in_a_collective(cluster):
     assert info.value.rank == 3 and "rank 3 gives up" in info.value.remote_traceback
     assert set(info.value.others) <= {0, 1, 2}
 
-    def total(r):
-        x = torch.ones(1)
-        r.groups.world.all_reduce(x)
-        return x.item()
-
-    assert cluster.run(total) == {r: 4.0 for r in range(4)}
+    assert cluster.run(_world_sum_of_ones) == {r: 4.0 for r in range(4)}
 
 
 def test_engine_killed_mid_step_is_replaced(cluster):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import stat
 import tempfile
 import time
@@ -104,6 +105,8 @@ class Cluster:
         self.start_time_s: Optional[float] = None
         self.master: Optional[tuple[str, int]] = None
         self.generation = 0                    # bumped whenever an engine is replaced
+        self._dead_pids: dict[int, int] = {}   # pid of each rank's engine before its last replacement
+        self._hostname = socket.gethostname()
 
     # ================================================================== lifecycle
     @property
@@ -224,9 +227,8 @@ class Cluster:
                 self.setup.append(out)
 
     def _is_local(self, rank: int) -> bool:
-        import socket
-
-        return self.info[rank]["host"] == socket.gethostname()
+        # Called in the polling loop of every wait: compare against a hostname read once.
+        return self.info[rank]["host"] == self._hostname
 
     def _connect_all(self, attempts: int = 4) -> None:
         """(Re)join every rank to a fresh torch.distributed world on a new free port."""
@@ -418,7 +420,7 @@ class Cluster:
         raise RankTimeout(stuck[0], f"ranks {stuck} did not finish within {timeout_s:g} s", note=note)
 
     def _old_pid(self, rank: int) -> int:
-        return self._dead_pids.get(rank, self.info[rank]["pid"]) if hasattr(self, "_dead_pids") else self.info[rank]["pid"]
+        return self._dead_pids.get(rank, self.info[rank]["pid"])
 
     def _recover(self, *, dead: list[int], stuck: list[int]) -> list[int]:
         """Kill stuck engines, replace dead and killed ones, and re-join every rank on a new port."""
