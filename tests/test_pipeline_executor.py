@@ -15,28 +15,39 @@ MB_SIZE = 2
 TOL = 1e-5
 
 
-def _data(m):
+def _data(m, masked=False):
     g = torch.Generator().manual_seed(11)
     tokens = torch.randint(0, CFG.vocab_size, (m * MB_SIZE, CFG.seq_len), generator=g)
     targets = torch.randint(0, CFG.vocab_size, (m * MB_SIZE, CFG.seq_len), generator=g)
+    if masked:
+        # Ignored targets, unevenly spread: microbatch i keeps a different number of tokens.
+        keep = torch.rand(targets.shape, generator=g) < torch.linspace(0.2, 1.0, m * MB_SIZE)[:, None]
+        targets = targets.masked_fill(~keep, -100)
+        targets[0, 0] = 1                      # at least one real target
     return tokens, targets
 
 
-def _serial(m):
-    model = GPT(CFG)
-    tokens, targets = _data(m)
-    loss = model(tokens, targets)
-    loss.backward()
-    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+_SERIAL = {}
 
 
-def _pipeline_rank(rank, world_size, name, tp, pp, m, chunks, sp, stepwise):
-    tracer = Tracer(rank=rank)
-    groups = ProcessGroups.build(Topology(tp=tp, pp=pp), tracer=tracer)
+def _serial(m, masked=False):
+    if (m, masked) not in _SERIAL:
+        model = GPT(CFG)
+        tokens, targets = _data(m, masked)
+        loss = model(tokens, targets)          # mean over every non-ignored token of the batch
+        loss.backward()
+        _SERIAL[(m, masked)] = loss.item(), {n: p.grad for n, p in model.named_parameters()}
+    return _SERIAL[(m, masked)]
+
+
+def _run_case(groups, tracer, case):
+    name, m, chunks, sp, batch_p2p, masked, stepwise = case
+    pp = groups.topology.pp
+    tracer.clear()
     schedule = make_schedule(name, stages=pp, microbatches=m, chunks=chunks, layers=CFG.layers)
     model_chunks = build_model_chunks(CFG, groups=groups, chunks=chunks, sequence_parallel=sp)
-    ex = PipelineExecutor(schedule=schedule, chunks=model_chunks, groups=groups)
-    tokens, targets = _data(m)
+    ex = PipelineExecutor(schedule=schedule, chunks=model_chunks, groups=groups, batch_p2p=batch_p2p)
+    tokens, targets = _data(m, masked)
     states = []
     if stepwise:
         ex.start_step(tokens, targets)
@@ -49,14 +60,21 @@ def _pipeline_rank(rank, world_size, name, tp, pp, m, chunks, sp, stepwise):
         loss = ex.run_step(tokens, targets)
     grads = {}
     for chunk in model_chunks:
-        for n, g in gather_full(chunk, grads=True).items():
-            grads[n if n != "head_weight" else "head_weight"] = g
+        grads.update(gather_full(chunk, grads=True))
     return {"loss": loss, "grads": grads if groups.coords.tp == 0 else None, "states": states,
-            "events": tracer.event_frame(), "pp": groups.coords.pp}
+            "events": tracer.event_frame(), "pp": groups.coords.pp, "batched": ex.batch_p2p,
+            "comm": tracer.comm_frame()}
 
 
-def _check(results, m):
-    ref_loss, ref_grads = _serial(m)
+def _pipeline_sweep(rank, world_size, tp, pp, cases):
+    """One process group for many cases: every rank runs them in the same order."""
+    tracer = Tracer(rank=rank)
+    groups = ProcessGroups.build(Topology(tp=tp, pp=pp), tracer=tracer)
+    return [_run_case(groups, tracer, case) for case in cases]
+
+
+def _check(results, m, masked=False):
+    ref_loss, ref_grads = _serial(m, masked)
     losses = [r["loss"] for r in results if r["loss"] is not None]
     assert losses, "no rank reported a loss"
     for loss in losses:
@@ -74,40 +92,81 @@ def _check(results, m):
         assert diff <= TOL, f"{n}: max |grad diff| {diff:.2e}"
 
 
-CASES = [
-    ("gpipe", 1, 2, 4, 1), ("1f1b", 1, 2, 4, 1), ("interleaved-1f1b", 1, 2, 4, 2), ("zb-h1", 1, 2, 4, 1),
-    ("gpipe", 1, 4, 4, 1), ("1f1b", 1, 4, 8, 1), ("interleaved-1f1b", 1, 4, 4, 2), ("zb-h1", 1, 4, 4, 1),
-    ("gpipe", 2, 2, 4, 1), ("1f1b", 2, 2, 4, 1), ("interleaved-1f1b", 2, 2, 4, 2), ("zb-h1", 2, 2, 4, 1),
-]
+def _sweep(tp, pp, cases):
+    per_rank = run_ranks(_pipeline_sweep, world_size=tp * pp, args=(tp, pp, cases), timeout_s=300)
+    for i, case in enumerate(cases):
+        name, m, chunks, sp, batch_p2p, masked, stepwise = case
+        results = [per_rank[r][i] for r in range(tp * pp)]
+        try:
+            _check(results, m, masked)
+        except AssertionError as err:
+            raise AssertionError(f"case {case}: {err}") from None
+        assert all(r["batched"] == batch_p2p for r in results)
+        # Every compute action of the schedule ran exactly once and was traced.
+        sched = make_schedule(name, stages=pp, microbatches=m, chunks=chunks)
+        for r in results:
+            assert len(r["events"]) == len(sched.compute_actions(r["pp"])), case
+    return per_rank
 
 
-@pytest.mark.parametrize("name,tp,pp,m,chunks", CASES)
-def test_pipeline_matches_serial(name, tp, pp, m, chunks):
-    results = run_ranks(_pipeline_rank, world_size=tp * pp, args=(name, tp, pp, m, chunks, False, False),
-                        timeout_s=120)
-    _check(results, m)
-    # Every compute action of the schedule ran exactly once and was traced.
-    for r in results:
-        ev = r["events"]
-        assert len(ev) == len(make_schedule(name, stages=pp, microbatches=m, chunks=chunks).compute_actions(r["pp"]))
+def _cases(pp, *, batch_p2p, masked=False, ms=None):
+    out = []
+    for name in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1"):
+        chunks = 2 if name == "interleaved-1f1b" else 1
+        for m in ms or ((1 if pp == 2 else 2), pp, 2 * pp, 4 * pp):
+            if name == "interleaved-1f1b" and m < pp:
+                continue
+            out.append((name, m, chunks, False, batch_p2p, masked, False))
+    return out
 
 
-def test_pipeline_with_sequence_parallel():
-    results = run_ranks(_pipeline_rank, world_size=4, args=("1f1b", 2, 2, 4, 1, True, False), timeout_s=120)
-    _check(results, 4)
+@pytest.mark.parametrize("batch_p2p", [False, True], ids=["tagged", "batched"])
+@pytest.mark.parametrize("pp", [2, 4])
+def test_every_schedule_matches_serial(pp, batch_p2p):
+    # Both communication paths, every schedule, m from below p (1F1B and ZB-H1 only) up to 4p.
+    _sweep(1, pp, _cases(pp, batch_p2p=batch_p2p))
+
+
+def test_tp_pipeline_sequence_parallel_and_masked_targets():
+    # tp=2 x pp=2: both paths; sequence parallelism; targets partly ignored (per-token loss).
+    cases = _cases(2, batch_p2p=False, ms=(4,)) + _cases(2, batch_p2p=True, ms=(4,))
+    cases += [("1f1b", 4, 1, True, False, False, False), ("interleaved-1f1b", 4, 2, True, True, False, False)]
+    cases += [(n, 4, c, False, b, True, False) for n, c in (("1f1b", 1), ("interleaved-1f1b", 2)) for b in (False, True)]
+    per_rank = _sweep(2, 2, cases)
+    # The batched path sends no tags (messages matched by order, as NCCL does) and traces its messages.
+    batched = [i for i, c in enumerate(cases) if c[4]]
+    comm = per_rank[0][batched[0]]["comm"]
+    assert {"send", "recv"} <= set(comm.op) and set(comm.axis) >= {"pp"}
+
+
+def _masked_microbatch_mean(rank, world_size):
+    groups = ProcessGroups.build(Topology(pp=2))
+    schedule = make_schedule("1f1b", stages=2, microbatches=4)
+    chunks = build_model_chunks(CFG, groups=groups)
+    ex = PipelineExecutor(schedule=schedule, chunks=chunks, groups=groups, per_token_loss=False)
+    return ex.run_step(*_data(4, masked=True))
+
+
+def test_mean_of_microbatch_means_is_not_the_serial_loss_with_ignored_targets():
+    # Why the per-token loss is the default: averaging microbatch means weighs a token of a sparse
+    # microbatch more than one of a dense microbatch.
+    loss = [x for x in run_ranks(_masked_microbatch_mean, world_size=2) if x is not None][0]
+    assert abs(loss - _serial(4, masked=True)[0]) > 10 * TOL   # far outside the parity tolerance
 
 
 def test_stepwise_equals_whole_step():
-    results = run_ranks(_pipeline_rank, world_size=2, args=("interleaved-1f1b", 1, 2, 4, 2, False, True),
-                        timeout_s=120)
-    _check(results, 4)
-    states = results[0]["states"]
-    # While stepping, rank 0 held activations with their shapes; at the end nothing is held.
-    peak = max(len(s.held) for s in states)
-    assert peak >= 2
-    held_shapes = [v for s in states for v in s.held.values()]
-    assert {"input": None, "output": (CFG.seq_len, MB_SIZE, CFG.hidden)} in held_shapes
-    assert states[-1].held == {} and states[-1].next_action is None
+    cases = [("interleaved-1f1b", 4, 2, False, False, False, True), ("interleaved-1f1b", 4, 2, False, True, False, True)]
+    per_rank = _sweep(1, 2, cases)
+    for k in range(2):
+        states = per_rank[0][k]["states"]
+        # While stepping, rank 0 held activations with their shapes; at the end nothing is held.
+        peak = max(len(s.held) for s in states)
+        assert peak >= 2
+        held_shapes = [v for s in states for v in s.held.values()]
+        assert {"input": None, "output": (CFG.seq_len, MB_SIZE, CFG.hidden)} in held_shapes
+        assert states[-1].held == {} and states[-1].next_action is None
+    # The batched executor steps whole batches: fewer steps than actions.
+    assert len(per_rank[0][1]["states"]) < len(per_rank[0][0]["states"])
 
 
 def _wrong_stages(rank, world_size):

@@ -86,8 +86,8 @@ def test_generated_schedules_validate(name):
 
 
 @pytest.mark.parametrize("kwargs,needle", [
-    (dict(name="1f1b", stages=4, microbatches=2), "too few microbatches for '1f1b': microbatches=2 < stages=4"),
-    (dict(name="zb-h1", stages=4, microbatches=3), "too few microbatches"),
+    (dict(name="interleaved-1f1b", stages=4, microbatches=2, chunks=2),
+     "too few microbatches for 'interleaved-1f1b': microbatches=2 < stages=4"),
     (dict(name="interleaved-1f1b", stages=4, microbatches=6, chunks=2), "microbatches divisible by stages.*use 8"),
     (dict(name="interleaved-1f1b", stages=2, microbatches=4, chunks=3, layers=8),
      "chunks=3 does not divide the layers: layers=8"),
@@ -201,3 +201,101 @@ def test_cursor_steps_every_schedule_to_the_end_without_blocking(name):
     assert blocked.runnable() == [0]  # rank 1 starts with a receive nobody has sent yet
     with pytest.raises(RuntimeError, match="rank 1 cannot take RECV_ACT"):
         blocked.advance(1)
+
+
+# ----------------------------------------------------------------------------- fewer microbatches than stages
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize("p,m", [(2, 1), (4, 1), (4, 2), (4, 3), (8, 5)])
+def test_fewer_microbatches_than_stages_run_with_a_note(name, p, m):
+    # Megatron-LM runs 1F1B with m < p: every microbatch is in warm-up. The generator's order is
+    # valid there (each rank: all forwards, then all backwards), and the schedule says the bubble is large.
+    s = validate(make_schedule(name, stages=p, microbatches=m))
+    assert s.notes and "bubble is large" in s.notes[0] and f"microbatches={m} < stages={p}" in s.notes[0]
+    assert "note:" in str(s) and "note:" in s._repr_html_()
+    res = simulate(s, UNIFORM if name == "1f1b" else {"forward": 1.0, "backward": 1.0, "weight": 1.0})
+    if name == "1f1b":
+        assert res.bubble_fraction == pytest.approx((p - 1) / (m + p - 1), abs=1e-9)
+    for r in range(p):
+        f = [a.microbatch for a in s.compute_actions(r) if a.kind == "F"]
+        assert f == list(range(m))
+    assert not make_schedule(name, stages=p, microbatches=p).notes
+
+
+# ----------------------------------------------------------------------------- batched p2p (NCCL semantics)
+def _all_generated(max_p=8):
+    for name in SCHEDULES:
+        for p in (2, 3, 4, max_p):
+            for m in range(1, 4 * p + 1):
+                try:
+                    yield make_schedule(name, stages=p, microbatches=m, chunks=2 if name == "interleaved-1f1b" else 1)
+                except ScheduleError:
+                    continue
+
+
+def test_natural_batching_deadlocks_where_the_issue_says():
+    # The old rule (each run of consecutive communication actions is one batch) under NCCL's semantics:
+    # interleaved 1F1B deadlocks exactly when m > p, which plain validation (non-blocking sends) passed.
+    from mlmkit.pipeline.batching import check_batches, natural_batches
+
+    deadlocked = set()
+    for s in _all_generated():
+        validate(s)
+        try:
+            check_batches(s, natural_batches(s))
+        except ScheduleError as err:
+            assert "deadlock with batched communication" in str(err)
+            deadlocked.add((s.name, s.stages, s.microbatches))
+    expected = {("interleaved-1f1b", p, m) for p in (2, 3, 4, 8) for m in range(2 * p, 4 * p + 1, p)}
+    assert deadlocked == expected
+
+
+def test_batch_plan_of_every_generated_schedule_completes():
+    from mlmkit.pipeline.batching import BatchCursor, check_batches, plan_batches
+
+    count = 0
+    for s in _all_generated():
+        plan = validate(s, batched=True) and plan_batches(s)
+        check_batches(s, [[list(st.actions) for st in steps] for steps in plan.steps])
+        for r in range(s.stages):
+            # every action exactly once; receives of a channel in the sender's order
+            assert sorted(i for st in plan.steps[r] for i in st.actions) == list(range(len(s.actions[r])))
+            # a compute action never comes before the receive that feeds it
+            seen = set()
+            for st in plan.steps[r]:
+                for i in st.actions:
+                    a = s.actions[r][i]
+                    seen.add((a.kind, a.microbatch, a.chunk))
+                    if a.kind == "F" and s.virtual_stage(r, a.chunk) > 0:
+                        assert ("RECV_ACT", a.microbatch, a.chunk) in seen
+                    if a.kind == "B" and s.virtual_stage(r, a.chunk) < s.virtual_stages - 1:
+                        assert ("RECV_GRAD", a.microbatch, a.chunk) in seen
+        # Lockstep rounds: every rank takes at most one step per round and everything runs.
+        cur = BatchCursor(plan)
+        while not cur.done:
+            assert cur.advance_round()
+        count += 1
+    assert count > 150
+
+
+def test_batched_semantics_catch_a_swapped_pair_without_tags():
+    # pp=2 interleaved: rank 1 receives activations (chunk 0, from virtual stage 0) and gradients (chunk 0,
+    # from virtual stage 2) from rank 0 on one channel, all of one shape. Posting two of them in the other
+    # order than rank 0 sends them would swap them silently under NCCL; the model names it.
+    from mlmkit.pipeline.batching import check_batches, plan_batches
+
+    s = make_schedule("interleaved-1f1b", stages=2, microbatches=4, chunks=2)
+    plan = plan_batches(s)
+    batches = [[list(st.actions) for st in steps] for steps in plan.steps]
+    acts = s.actions[1]
+    recvs = [(k, i) for k, steps in enumerate(batches[1]) for i in steps if acts[i].kind.startswith("RECV")]
+    kinds = {acts[i].kind for _, i in recvs}
+    assert kinds == {"RECV_ACT", "RECV_GRAD"}            # both kinds travel on the one channel 0 -> 1
+    # Take the first activation receive that is followed by a gradient receive; post the gradient first.
+    for (k1, i1), (k2, i2) in zip(recvs, recvs[1:]):
+        if acts[i1].kind == "RECV_ACT" and acts[i2].kind == "RECV_GRAD":
+            break
+    batches[1][k2].remove(i2)
+    batches[1][k1].insert(batches[1][k1].index(i1), i2)
+    batches[1] = [b for b in batches[1] if b]
+    with pytest.raises(ScheduleError, match="instead of the message it expects"):
+        check_batches(s, batches)

@@ -23,19 +23,35 @@ BASE = TrainConfig(model=MODEL, micro_batch_size=2, global_batch_size=16, lr=3e-
 RTOL = 1e-5
 
 
+class MaskedData:
+    """The trainer's data with some targets ignored (-100), unevenly over the samples of a batch, as
+    padding or document masking do: the per-token loss must still equal the serial model's."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def batch(self, step, batch_size):
+        tokens, targets = self.data.batch(step, batch_size)
+        g = torch.Generator().manual_seed(1000 + step)
+        keep = torch.rand(targets.shape, generator=g) < torch.linspace(0.3, 1.0, batch_size)[:, None]
+        keep[:, 0] = True
+        return tokens, targets.masked_fill(~keep, -100)
+
+
 def serial_losses(cfg: TrainConfig, steps: int) -> list[float]:
     """The reference: plain PyTorch on one process (GPT at tp=1, torch's AdamW and clip_grad_norm_)."""
     model = GPT(cfg.model)
     opt = torch.optim.AdamW(model.parameters(), lr=0.0, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                             weight_decay=cfg.weight_decay)
-    data = TextData(seq_len=cfg.model.seq_len, seed=cfg.seed)
+    data = MaskedData(TextData(seq_len=cfg.model.seq_len, seed=cfg.seed))
     losses = []
     for step in range(steps):
         tokens, targets = data.batch(step, cfg.global_batch_size)
         opt.zero_grad()
-        loss = model(tokens, targets)
+        loss = model(tokens, targets)            # mean over every non-ignored token of the batch
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        if cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps)
         opt.step()
@@ -43,16 +59,32 @@ def serial_losses(cfg: TrainConfig, steps: int) -> list[float]:
     return losses
 
 
+def _trainer(cfg, groups):
+    trainer = Trainer(cfg, groups=groups)
+    trainer.data = MaskedData(trainer.data)
+    return trainer
+
+
 @pytest.fixture(scope="module")
 def reference():
     return serial_losses(BASE, 5)
 
 
-def _train(rank, world_size, cfg_dict, steps):
+def _train_save_resume(rank, world_size, cfg_dict, directory):
+    """5 steps with a checkpoint after step 3, then a fresh trainer resumed from it for steps 3-4."""
     cfg = TrainConfig.from_dict(cfg_dict)
     groups = ProcessGroups.build(cfg.topology)
-    trainer = Trainer(cfg, groups=groups)
-    return [trainer.train_step()["loss"] for _ in range(steps)]
+    trainer = _trainer(cfg, groups)
+    losses = [trainer.train_step()["loss"] for _ in range(3)]
+    save_checkpoint(trainer, directory)
+    losses += [trainer.train_step()["loss"] for _ in range(2)]
+    resumed = _trainer(cfg, groups)
+    assert load_checkpoint(resumed, directory) == 3
+    return losses, [resumed.train_step()["loss"] for _ in range(2)]
+
+
+def _close(got, want, tol=RTOL):
+    return all(abs(a - b) <= tol * abs(b) for a, b in zip(got, want)) and len(got) == len(want)
 
 
 LAYOUTS = [(2, 2, 2), (1, 2, 4), (2, 1, 4), (4, 2, 1)]
@@ -60,21 +92,41 @@ LAYOUTS = [(2, 2, 2), (1, 2, 4), (2, 1, 4), (4, 2, 1)]
 
 @pytest.mark.parametrize("zero1", [False, True], ids=["adamw", "zero1"])
 @pytest.mark.parametrize("tp,pp,dp", LAYOUTS)
-def test_3d_training_matches_serial(reference, tp, pp, dp, zero1):
+def test_3d_training_matches_serial_and_resumes(reference, tp, pp, dp, zero1, tmp_path):
+    # Ignored targets in every batch: the per-token loss equals the serial model's in every layout.
     cfg = BASE.replace(tp=tp, pp=pp, dp=dp, zero1=zero1)
-    results = run_ranks(_train, world_size=cfg.world_size, args=(cfg.to_dict(), 5), timeout_s=300)
-    for rank_losses in results:
-        for got, want in zip(rank_losses, reference):
-            assert abs(got - want) <= RTOL * abs(want), (got, want)
+    directory = str(tmp_path / "ckpt")
+    results = run_ranks(_train_save_resume, world_size=cfg.world_size, args=(cfg.to_dict(), directory), timeout_s=300)
+    for losses, resumed in results:
+        assert _close(losses, reference), (losses, reference)
+        # Resume in the same layout continues exactly (ZeRO-1's fp32 shard follows the loaded weights).
+        assert _close(resumed, losses[3:], 1e-6), (resumed, losses[3:])
     assert reference[-1] < reference[0]
+    # ... and in another layout: serial, with the other optimizer.
+    serial = _trainer(BASE.replace(zero1=not zero1), ProcessGroups.single())
+    assert load_checkpoint(serial, directory) == 3
+    assert _close([serial.train_step()["loss"] for _ in range(2)], results[0][0][3:], 1e-6)
 
 
 def test_recompute_sequence_parallel_interleaved(reference):
     cfg = BASE.replace(tp=2, pp=2, dp=2, recompute=True, sequence_parallel=True, schedule="interleaved-1f1b",
-                       chunks=2, zero1=True)
+                       chunks=2, zero1=True, batch_p2p=True)
     results = run_ranks(_train, world_size=8, args=(cfg.to_dict(), 5), timeout_s=300)
-    for got, want in zip(results[0], reference):
-        assert abs(got - want) <= RTOL * abs(want)
+    assert _close(results[0], reference)
+
+
+def _train(rank, world_size, cfg_dict, steps):
+    cfg = TrainConfig.from_dict(cfg_dict)
+    trainer = _trainer(cfg, ProcessGroups.build(cfg.topology))
+    return [trainer.train_step()["loss"] for _ in range(steps)]
+
+
+def test_no_clipping_with_grad_clip_zero():
+    cfg = BASE.replace(grad_clip=0.0)
+    trainer = _trainer(cfg, ProcessGroups.single())
+    got = [trainer.train_step()["loss"] for _ in range(3)]
+    assert _close(got, serial_losses(cfg, 3))
+    assert trainer.history[0]["grad_norm"] > 0     # the norm is still reported
 
 
 # ----------------------------------------------------------------------------------- checkpoints
@@ -96,17 +148,24 @@ def _resume(rank, world_size, cfg_dict, directory):
 
 def test_checkpoint_reshards_to_other_layouts(tmp_path):
     directory = str(tmp_path / "ckpt")
-    saved = BASE.replace(tp=2, pp=2, dp=1)
+    saved = BASE.replace(tp=2, pp=2, dp=1, zero1=True)
     uninterrupted = run_ranks(_save_at_3_then_continue, world_size=4, args=(saved.to_dict(), directory))[0]
     assert open(os.path.join(directory, "latest")).read() == "step_000003"
     # (1, 1, 1): in this very process, no torch.distributed at all.
-    serial = Trainer(BASE, groups=ProcessGroups.single())
+    serial = Trainer(BASE.replace(zero1=True), groups=ProcessGroups.single())
     assert load_checkpoint(serial, directory) == 3
     resumed_serial = [serial.train_step()["loss"] for _ in range(2)]
-    resumed_122 = run_ranks(_resume, world_size=4, args=(BASE.replace(pp=2, dp=2).to_dict(), directory))[0]
+    resumed_122 = run_ranks(_resume, world_size=4, args=(BASE.replace(pp=2, dp=2, zero1=True).to_dict(), directory))[0]
     for resumed in (resumed_serial, resumed_122):
-        for got, want in zip(resumed, uninterrupted):
-            assert abs(got - want) <= RTOL * abs(want), (resumed, uninterrupted)
+        assert _close(resumed, uninterrupted, 1e-6), (resumed, uninterrupted)
+    # The same through the command line: --load with --zero1 after resharding to one process.
+    config = tmp_path / "run.json"
+    BASE.save(str(config))
+    out = subprocess.run([sys.executable, "-m", "mlmkit.train", "--config", str(config), "--zero1", "--load",
+                          directory, "--steps", "2"], capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    cli = [json.loads(line)["loss"] for line in out.stdout.splitlines() if line.startswith("{")]
+    assert _close(cli, uninterrupted, 1e-6), (cli, uninterrupted)
     # Exported as one state dict, the checkpoint is the serial model at step 3.
     state = export_state_dict(directory)
     model = GPT(BASE.model)
@@ -170,7 +229,91 @@ def test_missing_and_truncated_shards_are_named(small_checkpoint, tmp_path):
         load_checkpoint(Trainer(BASE, groups=ProcessGroups.single()), broken)
 
 
+def test_saving_the_same_step_again_writes_new_then_switches(small_checkpoint, tmp_path):
+    import shutil
+
+    directory = str(tmp_path / "again")
+    shutil.copytree(os.path.dirname(small_checkpoint), directory)
+    trainer = Trainer(BASE, groups=ProcessGroups.single())
+    load_checkpoint(trainer, directory)
+    # A crash while writing the same step again leaves the old checkpoint, and `latest`, intact.
+    def crash(path):
+        raise OSError("disk full (injected)")
+    with pytest.raises(OSError, match="injected"):
+        save_checkpoint(trainer, directory, _before_write=crash)
+    assert open(os.path.join(directory, "latest")).read() == "step_000001"
+    assert load_checkpoint(Trainer(BASE, groups=ProcessGroups.single()), directory) == 1
+    # Saved again for real: a new folder, `latest` switched to it, then the old one removed.
+    path = save_checkpoint(trainer, directory)
+    assert os.path.basename(path) == "step_000001.1" == open(os.path.join(directory, "latest")).read()
+    assert not os.path.exists(os.path.join(directory, "step_000001"))
+    assert load_checkpoint(Trainer(BASE, groups=ProcessGroups.single()), directory) == 1
+    # keep=1: older checkpoints go once the new one is in place.
+    trainer.train_step()
+    save_checkpoint(trainer, directory, keep=1)
+    assert sorted(e for e in os.listdir(directory) if e.startswith("step_")) == ["step_000002"]
+
+
+def test_flipped_byte_and_damaged_metadata_are_named(small_checkpoint, tmp_path):
+    import shutil
+
+    broken = str(tmp_path / "flip")
+    shutil.copytree(small_checkpoint, broken)
+    shard = os.path.join(broken, "shard_tp0_pp0.pt")
+    data = bytearray(open(shard, "rb").read())
+    data[len(data) // 2] ^= 0x01                        # one bit inside a tensor
+    open(shard, "wb").write(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"{shard} is corrupt: its SHA-256 does not match"):
+        load_checkpoint(Trainer(BASE, groups=ProcessGroups.single()), broken)
+    meta = os.path.join(broken, "metadata.json")
+    good = open(meta).read()
+    for damage, needle in [(good[: len(good) // 2], "is damaged: Expecting|is damaged: Unterminated"),
+                           (json.dumps({**json.loads(good), "files": None}), "is damaged: files is not"),
+                           (json.dumps({k: v for k, v in json.loads(good).items() if k != "topology"}),
+                            "is damaged: no 'topology' entry"),
+                           ("[]", "is damaged: not a JSON object")]:
+        open(meta, "w").write(damage)
+        with pytest.raises(CheckpointError, match=rf"checkpoint metadata {meta} {needle}"):
+            load_checkpoint(Trainer(BASE, groups=ProcessGroups.single()), broken)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(Trainer(BASE, groups=ProcessGroups.single()), str(tmp_path / "nowhere"))
+    pointer_dir = str(tmp_path / "pointer")
+    os.makedirs(pointer_dir)
+    open(os.path.join(pointer_dir, "latest"), "w").write("step_000009")
+    with pytest.raises(CheckpointError, match=r"latest names 'step_000009', which is not a checkpoint folder"):
+        load_checkpoint(Trainer(BASE, groups=ProcessGroups.single()), pointer_dir)
+
+
 # ----------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("change,needle", [
+    (dict(grad_clip=-1.0), r"grad_clip=-1.0 must be >= 0 \(a negative clip turns the update into gradient ascent\)"),
+    (dict(eps=0.0), r"eps=0.0 must be > 0"),
+    (dict(beta1=1.0), r"beta1=1.0 must be in \[0, 1\)"),
+    (dict(beta2=-0.1), r"beta2=-0.1 must be in \[0, 1\)"),
+    (dict(weight_decay=-0.01), r"weight_decay=-0.01 must be >= 0"),
+    (dict(seed=1.5), r"seed=1.5 must be an integer >= 0"),
+    (dict(sequence_parallel="false"), r"sequence_parallel='false' must be true or false \(a bool, not str\)"),
+    (dict(zero1=1), r"zero1=1 must be true or false"),
+    (dict(warmup_steps=-1), r"warmup_steps=-1 must be an integer >= 0"),
+    (dict(lr=float("nan")), r"lr=nan must be a number"),
+    (dict(model={"vocab_size": 101}), r"model.vocab_size=101 is smaller than the byte tokenizer's vocabulary \(256\)"),
+    (dict(model={"seed": "7"}), r"GPTConfig: seed='7' must be an integer >= 0"),
+    (dict(model={"tie_embeddings": "yes"}), r"tie_embeddings='yes' must be true or false"),
+    (dict(batch_p2p="auto"), r"batch_p2p='auto' must be true or false"),
+])
+def test_bad_train_configs_are_named(change, needle):
+    with pytest.raises(ValueError, match=needle):
+        BASE.replace(**change)
+
+
+@pytest.mark.parametrize("flags,needle", [(["--steps", "-1"], "--steps=-1 must be >= 0"),
+                                          (["--save-every", "-2"], "--save-every=-2 must be >= 0"),
+                                          (["--grad-clip", "-1"], "grad_clip=-1.0 must be >= 0")])
+def test_bad_cli_flags_fail_before_any_process_group(flags, needle):
+    out = subprocess.run([sys.executable, "-m", "mlmkit.train", *flags], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and needle in out.stderr, out.stderr[-2000:]
+
+
 def test_global_batch_not_divisible():
     with pytest.raises(ValueError, match=r"global_batch_size=10 is not divisible by micro_batch_size x dp = 2 x 2 = 4"):
         BASE.replace(dp=2, global_batch_size=10)

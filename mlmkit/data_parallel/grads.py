@@ -85,6 +85,7 @@ def clip_grad_norm(params: Sequence[nn.Parameter], groups: ProcessGroups, *, max
     (already counted once per element across dp); otherwise it is computed from ``params`` and the
     world sum is divided by dp, since replicas hold identical gradients.
     Same rule as ``torch.nn.utils.clip_grad_norm_``: scale by ``max_norm / (norm + 1e-6)`` if < 1.
+    ``max_norm=0`` switches clipping off (the norm is still computed and returned).
     """
     if local_sumsq is None:
         grads = [p.grad.detach() for p in params if p.grad is not None and counted_once(p, groups)]
@@ -98,7 +99,7 @@ def clip_grad_norm(params: Sequence[nn.Parameter], groups: ProcessGroups, *, max
         groups.world.all_reduce(total, site="grad_norm")
     norm = math.sqrt(float(total))
     coef = max_norm / (norm + 1e-6)
-    if coef < 1.0:
+    if max_norm > 0 and coef < 1.0:
         grads = [p.grad for p in params if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, coef)

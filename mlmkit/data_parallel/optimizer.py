@@ -47,6 +47,10 @@ class _Base:
         for p in self.params:
             p.grad = None
 
+    def params_loaded(self) -> None:
+        """Call after the model's weights were overwritten (a checkpoint load): an optimizer that
+        keeps its own copy of the weights refreshes it from the parameters."""
+
 
 class ReplicatedAdamW(_Base):
     """Plain data parallelism: bucketed all-reduce of gradients, full AdamW state on every rank."""
@@ -98,6 +102,13 @@ class ShardedAdamW(_Base):
         self.count_mask = counts[self.start:self.start + self.shard_size]
         self.opt = torch.optim.AdamW([self.shard], lr=0.0, **self.hyper)
 
+    def params_loaded(self) -> None:
+        """Refresh the fp32 shard from the model's parameters (after a checkpoint load): the update
+        writes the shard back over the parameters, so a stale shard would undo the load."""
+        flat = self._flat([p.detach() for p in self.params])
+        with torch.no_grad():
+            self.shard.copy_(flat[self.start:self.start + self.shard_size])
+
     def _flat(self, tensors) -> torch.Tensor:
         # [N] -> [dp * shard_size], zero-padded at the end.
         flat = torch.cat([t.reshape(-1) for t in tensors])
@@ -112,7 +123,7 @@ class ShardedAdamW(_Base):
         sumsq = (shard_grad.double().pow(2) * self.count_mask.double()).sum()
         self.last_grad_norm = clip_grad_norm([], self.groups, max_norm=self.max_grad_norm, local_sumsq=sumsq)
         coef = self.max_grad_norm / (self.last_grad_norm + 1e-6)
-        if coef < 1.0:
+        if self.max_grad_norm > 0 and coef < 1.0:
             shard_grad = shard_grad * coef
         self.shard.grad = shard_grad
         for g in self.opt.param_groups:

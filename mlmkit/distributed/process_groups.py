@@ -8,7 +8,9 @@ Call :func:`init_distributed` (or let the test harness / cluster do it), then
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
+import socket
 from dataclasses import dataclass
 from typing import Optional
 
@@ -18,7 +20,7 @@ import torch.distributed as dist
 from mlmkit.distributed.comm_group import CommGroup
 from mlmkit.topology import Coords, Topology
 
-__all__ = ["ProcessGroups", "default_backend", "default_device", "init_distributed"]
+__all__ = ["ProcessGroups", "default_backend", "default_device", "init_distributed", "rendezvous_store"]
 
 
 def default_backend() -> str:
@@ -39,13 +41,64 @@ def init_distributed(*, rank: int, world_size: int, init_method: str, backend: O
 
     Returns the backend used. ``timeout_s`` bounds every collective of the default group (a rank
     whose peer died raises instead of waiting forever).
+
+    ``init_method`` is ``"env://"`` (torchrun sets the variables) or ``"tcp://HOST:PORT"``. With
+    ``tcp://``, rank 0 binds the rendezvous store to ``HOST`` only (torch's own store listens on
+    every interface), and when ``HOST`` is a loopback address gloo's connections are bound to the
+    loopback interface too, so a local job opens no port to the network.
     """
     backend = backend or default_backend()
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r}: expected 'gloo' or 'nccl'")
     if backend == "nccl":
         torch.cuda.set_device(default_device(int(os.environ.get("LOCAL_RANK", rank))))
-    dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not init_method.startswith("tcp://"):
+        dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=timeout)
+        return backend
+    host, _, port_text = init_method[len("tcp://"):].rpartition(":")
+    host, port = host.strip("[]"), int(port_text)
+    if _is_loopback(host) and backend == "gloo":
+        # gloo listens on the address its interface resolves to; keep a local job on loopback
+        # (a user's own GLOO_SOCKET_IFNAME wins).
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
+    store = rendezvous_store(host=host, port=port, rank=rank, world_size=world_size, timeout_s=timeout_s)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     return backend
+
+
+def rendezvous_store(*, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """The TCPStore of a job: rank 0 serves it on ``host:port`` only, the others connect to it."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, False, timeout=timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, port))       # "Address already in use" here lets callers retry on a new port
+        sock.listen(max(128, world_size))
+    except OSError:
+        sock.close()
+        raise
+    # The store takes the bound socket over (and closes it when it is destroyed).
+    return dist.TCPStore(host, port, world_size, True, timeout=timeout, master_listen_fd=sock.detach())
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def _loopback_interface() -> str:
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address.startswith("127.") for a in addrs):
+            return name
+    return "lo"
 
 
 @dataclass

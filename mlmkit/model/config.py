@@ -63,8 +63,16 @@ class GPTConfig:
             _positive_int("ffn_hidden", self.ffn_hidden)
         if self.hidden % self.heads:
             raise ValueError(f"GPTConfig: hidden={self.hidden} is not divisible by heads={self.heads}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"GPTConfig: dropout={self.dropout!r} must be in [0, 1)")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig: dropout={self.dropout!r} must be a number in [0, 1)")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"GPTConfig: seed={self.seed!r} must be an integer >= 0")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"GPTConfig: tie_embeddings={self.tie_embeddings!r} must be true or false (a bool)")
+        for name in ("init_std", "layernorm_eps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"GPTConfig: {name}={v!r} must be a number > 0")
 
     @property
     def ffn(self) -> int:

@@ -251,8 +251,9 @@ class GPT(nn.Module):
 
     forward(x, targets=None):
         first stage: ``x`` are token ids ``[b, s]``; other stages: hidden states ``[s, b, h]``
-        (``[s/t, b, h]`` with SP) from the previous stage. Last stage: returns the mean loss over
-        non-ignored targets ``[b, s]`` when ``targets`` is given, else the local logits
+        (``[s/t, b, h]`` with SP) from the previous stage. Last stage: returns the loss over
+        non-ignored targets ``[b, s]`` (mean, or sum with ``reduction="sum"``) when ``targets``
+        is given, else the local logits
         ``[s, b, V/t]``. Other stages return hidden states for the next stage.
     """
 
@@ -340,16 +341,23 @@ class GPT(nn.Module):
             x = copy_to_tp(x, self.tp, site="head")
         return F.linear(x, self.head_weight_param())
 
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100) -> torch.Tensor:
-        """Mean cross-entropy over non-ignored targets; ``logits [s, b, V/t]``, ``targets [b, s]``."""
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
+             reduction: str = "mean") -> torch.Tensor:
+        """Cross-entropy over non-ignored targets: their mean (``reduction="mean"``) or their sum
+        (``"sum"``, for a per-token loss normalised over a whole batch); ``logits [s, b, V/t]``,
+        ``targets [b, s]``."""
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction={reduction!r}: expected 'mean' or 'sum'")
         per_token = vocab_parallel_cross_entropy(
             logits, targets.t(), tp=self.tp, vocab_start=self.vocab_start,
             vocab_size=self.config.vocab_size, ignore_index=ignore_index)
+        if reduction == "sum":
+            return per_token.sum()
         count = (targets != ignore_index).sum().clamp(min=1)
         return per_token.sum() / count
 
     def forward(self, x: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
-                ignore_index: int = -100) -> torch.Tensor:
+                ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
         if self.stage.pre_process:
             x = self.embed(x)
         for layer in self.layers.values():
@@ -359,7 +367,7 @@ class GPT(nn.Module):
         logits = self.head(x)
         if targets is None:
             return logits
-        return self.loss(logits, targets, ignore_index=ignore_index)
+        return self.loss(logits, targets, ignore_index=ignore_index, reduction=reduction)
 
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Local ``[s, b, V/t]`` -> full ``[b, s, vocab_size]`` (padding dropped). For inspection and tests."""

@@ -23,11 +23,22 @@ sequence-parallel parameters over TP and the tied word embedding's gradient betw
 last stage (embedding group). It is separate from the actions so that a driver stepping ranks in
 lockstep never calls a collective on one stage while another still has actions to run.
 
-Messages carry a tag naming (activation or gradient, sending virtual stage, microbatch), so gloo
-cannot pair a message with the wrong receive even when a rank's previous and next stage are the
-same peer (pp=2 with interleaving). NCCL ignores tags; it relies on the per-pair order that
-validation checks, and consecutive communication actions are posted as one batch
-(``batch_isend_irecv``) as Megatron-LM does.
+Two ways to communicate (``batch_p2p``):
+
+- unbatched (default on gloo): each send is posted on its own (``isend``, waited at the end of the
+  step) and each receive waits just before use. Messages carry a tag naming (activation or
+  gradient, sending virtual stage, microbatch), so gloo cannot pair a message with the wrong
+  receive even when a rank's previous and next stage are the same peer (pp=2 with interleaving).
+- batched (default on NCCL, ``batch_p2p=True`` on gloo): communication runs as the batches of
+  :func:`mlmkit.pipeline.batching.plan_batches` (``batch_isend_irecv``, the whole batch waited),
+  without tags, so messages are matched by order exactly as NCCL matches them. The plan is built
+  so that batches pair up under NCCL's rendezvous semantics; on gloo this path checks the pairing
+  and the data on CPU.
+
+Loss: with ``per_token_loss`` (Megatron-LM's ``calculate_per_token_loss``) each microbatch
+contributes the *sum* of its token losses times ``loss_scale`` (by default ``1 / tokens`` of the
+whole batch, ignored targets excluded), so the step's loss is the mean over every non-ignored
+token whatever the microbatching; otherwise each microbatch's mean counts ``1/m``.
 """
 
 from __future__ import annotations
@@ -42,14 +53,12 @@ import torch.distributed as dist
 
 from mlmkit.distributed import CommGroup, ProcessGroups
 from mlmkit.model import GPT, GPTConfig, Stage, split_layers
-from mlmkit.pipeline.schedule import Action, Schedule, ScheduleError
+from mlmkit.pipeline.batching import BatchPlan, Step, plan_batches
+from mlmkit.pipeline.schedule import COMPUTE, Action, Schedule, ScheduleError
 from mlmkit.pipeline.validate import validate
 from mlmkit.tensor_parallel import sync_sequence_parallel_grads
 
 __all__ = ["PipelineExecutor", "StepState", "build_model_chunks", "sync_embedding_grads"]
-
-_COMM = ("SEND_ACT", "SEND_GRAD", "RECV_ACT", "RECV_GRAD")
-
 
 def build_model_chunks(config: GPTConfig, *, groups: ProcessGroups, chunks: int = 1,
                        layers_per_stage: Optional[Sequence[int]] = None,
@@ -123,11 +132,17 @@ class PipelineExecutor:
         tracer: where actions and messages are recorded (default: the groups' tracer, if any).
         memory: a :class:`mlmkit.trace.memory.MemoryTracker`: counts saved activations during
             forwards and records a memory row after every compute action.
+        batch_p2p: post communication as planned batches without tags (module docstring);
+            ``None``: on with NCCL, off with gloo.
+        per_token_loss: the loss is the mean over all non-ignored tokens of the batch (Megatron's
+            per-token loss); ``False``: the mean of the microbatches' means.
+        ignore_index: target id excluded from the loss.
     """
 
     def __init__(self, *, schedule: Schedule, chunks: Sequence[GPT], groups: ProcessGroups, tracer=None,
-                 memory=None):
-        validate(schedule)
+                 memory=None, batch_p2p: Optional[bool] = None, per_token_loss: bool = True,
+                 ignore_index: int = -100):
+        validate(schedule, batched=bool(batch_p2p))
         if schedule.stages != groups.topology.pp:
             raise ScheduleError(f"schedule has stages={schedule.stages} but the topology has pp={groups.topology.pp}")
         if len(chunks) != schedule.chunks:
@@ -137,8 +152,14 @@ class PipelineExecutor:
         self.actions: tuple[Action, ...] = schedule.actions[self.pp_rank]
         self.tracer = tracer if tracer is not None else groups.pp.tracer
         self.memory = memory
-        self._nccl = dist.is_initialized() and dist.get_backend() == "nccl"
-        self.index = len(self.actions)  # no step in progress
+        nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+        self.batch_p2p = nccl if batch_p2p is None else bool(batch_p2p)
+        self.per_token_loss, self.ignore_index = per_token_loss, ignore_index
+        self.plan: Optional[BatchPlan] = plan_batches(schedule) if self.batch_p2p else None
+        self._steps: tuple[Step, ...] = self.plan.steps[self.pp_rank] if self.plan is not None else ()
+        self.index = len(self.actions)  # actions done in this step (all: no step in progress)
+        self._step_pos = len(self._steps)
+        self.last_step: Optional[str] = None
         self._reset()
 
     # ---------------------------------------------------------------------- step control
@@ -148,13 +169,17 @@ class PipelineExecutor:
         self._sends: list[tuple[object, torch.Tensor]] = []    # posted isends, waited at step end
         self._losses: list[torch.Tensor] = []
         self._inbox: dict[tuple, torch.Tensor] = {}   # received tensors not yet consumed
+        self._pending: list = []                      # works of a batch being waited for
         self._finalized = False
 
-    def start_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
+    def start_step(self, tokens: torch.Tensor, targets: torch.Tensor, *,
+                   loss_scale: Optional[float] = None) -> None:
         """Begin a step on the batch ``tokens``/``targets`` ``[m * b_mb, s]`` (split into m microbatches).
 
         Every rank of a pipeline passes the same batch; the first stage reads the tokens, the last
-        the targets.
+        the targets. ``loss_scale`` (per-token loss only) multiplies each microbatch's summed token
+        loss; the default ``1 / (non-ignored targets in this batch)`` makes the loss the batch's
+        per-token mean (a data-parallel trainer passes ``dp / tokens of the global batch``).
         """
         m = self.schedule.microbatches
         if tokens.shape[0] % m:
@@ -164,44 +189,82 @@ class PipelineExecutor:
         self._targets = [t.to(dev) for t in targets.chunk(m)]
         self._mb_size = tokens.shape[0] // m
         self._seq = tokens.shape[1]
+        if loss_scale is None:
+            loss_scale = 1.0 / max(1, int((targets != self.ignore_index).sum()))
+        self._loss_scale = float(loss_scale)
         self._reset()
         self.index = 0
+        self._step_pos = 0
 
     @property
     def done(self) -> bool:
+        if self.batch_p2p:
+            return self._step_pos >= len(self._steps)
         return self.index >= len(self.actions)
 
+    def next_step_text(self) -> Optional[str]:
+        """What :meth:`step_action` runs next: an action, or a batch ``[SEND_ACT(...) + RECV_GRAD(...)]``."""
+        if self.done:
+            return None
+        if self.batch_p2p:
+            return self.plan.describe(self.pp_rank)[self._step_pos]
+        return str(self.actions[self.index])
+
     def step_action(self) -> Optional[Action]:
-        """Execute this rank's next action; return it (``None`` when the step is over).
+        """Execute this rank's next action (with ``batch_p2p``: its next step, a compute action or a
+        whole batch); return the (first) action (``None`` when the step is over).
 
         A receive blocks until its message arrives. A driver stepping all ranks in lockstep steps a
-        rank only when its next action can complete (see :class:`mlmkit.pipeline.ScheduleCursor`),
-        so no rank ever blocks.
+        rank only when its next action can complete (see :class:`mlmkit.pipeline.ScheduleCursor`
+        and :class:`mlmkit.pipeline.batching.BatchCursor`), so no rank ever blocks.
         """
         if self.done:
             return None
+        if self.batch_p2p:
+            step = self._steps[self._step_pos]
+            self.last_step = self.plan.describe(self.pp_rank)[self._step_pos]
+            if not step.is_compute(self.actions):
+                self._run_batch(step)
+                self._step_pos += 1
+                self.index += len(step.actions)
+                return self.actions[step.actions[0]]
+            a = self.actions[step.actions[0]]
+            self._compute(a)
+            self._step_pos += 1
+            self.index += 1
+            return a
         a = self.actions[self.index]
-        if self._nccl and a.kind in _COMM:
-            return self._run_comm_batch()
-        start = time.perf_counter()
-        if a.kind in ("RECV_ACT", "RECV_GRAD"):
+        self.last_step = str(a)
+        if a.kind in COMPUTE:
+            self._compute(a)
+        elif a.kind in ("RECV_ACT", "RECV_GRAD"):
             self._finish_recv(a)
-        elif a.kind in ("SEND_ACT", "SEND_GRAD"):
+        else:
             self._send(a)
-        elif a.kind == "F":
+        self.index += 1
+        return a
+
+    def _compute(self, a: Action) -> None:
+        start = time.perf_counter()
+        if a.kind == "F":
             self._forward(a)
         elif a.kind == "B":
             self._backward(a)
         else:
             self._weight(a)
-        if a.kind in ("F", "B", "W"):
-            if self.tracer is not None:
-                self.tracer.record_event(action=a.kind, microbatch=a.microbatch, chunk=a.chunk,
-                                         start=start, end=time.perf_counter())
-            if self.memory is not None:
-                self.memory.record(action=a.kind, microbatch=a.microbatch, chunk=a.chunk)
-        self.index += 1
-        return a
+        if self.tracer is not None:
+            self.tracer.record_event(action=a.kind, microbatch=a.microbatch, chunk=a.chunk,
+                                     start=start, end=time.perf_counter())
+        if self.memory is not None:
+            self.memory.record(action=a.kind, microbatch=a.microbatch, chunk=a.chunk)
+
+    def abandon(self) -> None:
+        """Drop the step in progress: activations, received tensors and every pending send and
+        receive. After a failure this releases the rank's hold on its process groups (a pending
+        ``Work`` keeps gloo's connections open, so peers blocked on this rank would wait on)."""
+        self._reset()
+        self.index = len(self.actions)
+        self._step_pos = len(self._steps)
 
     def run_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> Optional[float]:
         """A whole step: every action, then gradient finalisation. Returns the mean microbatch loss
@@ -216,7 +279,7 @@ class PipelineExecutor:
     def loss(self) -> Optional[float]:
         if not self._losses:
             return None
-        return float(torch.stack(self._losses).sum())  # each is loss_mb / m already
+        return float(torch.stack(self._losses).sum())  # each microbatch's share of the step's loss
 
     def state(self) -> StepState:
         """Where this rank is: next action, and the activations it holds with their shapes."""
@@ -227,7 +290,7 @@ class PipelineExecutor:
             key = f"mb{mb}" + (f".chunk{c}" if self.schedule.chunks > 1 else "")
             held[key] = {"input": tuple(h.input.shape) if h.input is not None else None,
                          "output": tuple(h.output.shape)}
-        nxt = str(self.actions[self.index]) if not self.done else None
+        nxt = self.next_step_text()
         return StepState(rank=self.groups.rank, pp_rank=self.pp_rank, index=self.index, total=len(self.actions),
                          next_action=nxt, held=held, loss=self.loss if self.done else None)
 
@@ -260,12 +323,12 @@ class PipelineExecutor:
         work = dist.irecv(buf, src=self._peer(a), group=self.groups.pp.pg, tag=self._tag(key))
         self._recv[key] = (buf, work, time.perf_counter())
 
-    def _run_comm_batch(self) -> Action:
-        # NCCL: post this and the following consecutive communication actions as one batch
-        # (Megatron-LM's send_forward_recv_backward & co.), then wait for all of them.
-        ops, recvs, first = [], [], self.actions[self.index]
-        while not self.done and self.actions[self.index].kind in _COMM:
-            a = self.actions[self.index]
+    def _run_batch(self, step: Step) -> None:
+        # One planned batch (NCCL semantics): post every operation together, without tags (messages
+        # on a channel are matched by order, as NCCL does), then wait for the whole batch.
+        ops, recvs = [], []
+        for i in step.actions:
+            a = self.actions[i]
             if a.kind.startswith("RECV"):
                 buf = torch.empty(self._shape(), device=self.groups.device)
                 ops.append(dist.P2POp(dist.irecv, buf, self._peer(a), self.groups.pp.pg))
@@ -273,14 +336,15 @@ class PipelineExecutor:
             else:
                 tensor = self._take_send_tensor(a)
                 ops.append(dist.P2POp(dist.isend, tensor, self._peer(a), self.groups.pp.pg))
-            self.index += 1
         t0 = time.perf_counter()
-        for work in dist.batch_isend_irecv(ops):
+        works = dist.batch_isend_irecv(ops)
+        self._pending = works
+        for work in works:
             work.wait()
+        self._pending = []
         for a, buf in recvs:
             self._trace_p2p("recv", a, buf, t0)
             self._inbox[("act" if a.kind == "RECV_ACT" else "grad", a.microbatch, a.chunk)] = buf
-        return first
 
     def _finish_recv(self, a: Action) -> None:
         # gloo's irecv work never reports completion before wait(), so receives are waited here.
@@ -325,7 +389,11 @@ class PipelineExecutor:
             inp = x = self._inbox.pop(("act", mb, a.chunk)).requires_grad_(True)  # [s, b_mb, h]
         with self.memory.saving() if self.memory is not None else contextlib.nullcontext():
             if model.stage.post_process:
-                out = model(x, self._targets[mb]) / self.schedule.microbatches  # scalar loss / m
+                if self.per_token_loss:   # sum of token losses x (dp / tokens of the global batch)
+                    out = model(x, self._targets[mb], ignore_index=self.ignore_index,
+                                reduction="sum") * self._loss_scale
+                else:                     # this microbatch's mean / m
+                    out = model(x, self._targets[mb], ignore_index=self.ignore_index) / self.schedule.microbatches
                 self._losses.append(out.detach())
             else:
                 out = model(x)                                                  # [s, b_mb, h]

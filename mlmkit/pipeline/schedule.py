@@ -77,6 +77,7 @@ class Schedule:
         stages: ``p``, number of pipeline ranks. microbatches: ``m``. chunks: ``v``.
         split_backward: backward is split into B (inputs) and W (weights).
         actions: ``actions[r]`` is rank r's ordered tuple of :class:`Action`.
+        notes: remarks of the generator worth showing a user (e.g. a large bubble).
     """
 
     name: str
@@ -85,6 +86,7 @@ class Schedule:
     chunks: int
     split_backward: bool
     actions: tuple[tuple[Action, ...], ...] = field(repr=False)
+    notes: tuple[str, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def virtual_stages(self) -> int:
@@ -124,11 +126,15 @@ class Schedule:
         return "\n".join(lines)
 
     def __str__(self) -> str:
-        return f"{self!r}\n{self.compact()}"
+        notes = "".join(f"\nnote: {n}" for n in self.notes)
+        return f"{self!r}\n{self.compact()}{notes}"
 
     def _repr_html_(self) -> str:
+        import html
+
         body = self.compact().replace("\n", "<br>")
-        return f"<b>{self!r}</b><br><code>{body}</code>"
+        notes = "".join(f"<br><i>note: {html.escape(n)}</i>" for n in self.notes)
+        return f"<b>{html.escape(repr(self))}</b><br><code>{body}</code>{notes}"
 
 
 # ----------------------------------------------------------------------------------- generators
@@ -251,10 +257,16 @@ def make_schedule(name: str, *, stages: int, microbatches: int, chunks: int = 1,
     p, m, v = stages, microbatches, chunks
     if name != "interleaved-1f1b" and v != 1:
         raise ScheduleError(f"chunks={v}: only 'interleaved-1f1b' runs more than one model chunk per rank")
-    if name in ("1f1b", "interleaved-1f1b", "zb-h1") and m < p:
+    notes: tuple[str, ...] = ()
+    if name in ("1f1b", "zb-h1") and m < p:
+        # Megatron-LM runs 1F1B with fewer microbatches than stages (every microbatch is in warm-up).
+        notes = (f"microbatches={m} < stages={p}: the pipeline never fills, so the bubble is large "
+                 f"((p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.0%} of the step with equal costs); use at least "
+                 f"{p} microbatches to keep it small.",)
+    if name == "interleaved-1f1b" and m < p:
         raise ScheduleError(
             f"too few microbatches for {name!r}: microbatches={m} < stages={p}; the pipeline never fills. "
-            f"Use at least {p} microbatches (or 'gpipe')."
+            f"Use at least {p} microbatches (or 'gpipe'/'1f1b')."
         )
     if name == "interleaved-1f1b":
         if v < 2:
@@ -279,11 +291,11 @@ def make_schedule(name: str, *, stages: int, microbatches: int, chunks: int = 1,
         "interleaved-1f1b": lambda: _interleaved(p, m, v),
         "zb-h1": lambda: _zb_h1(p, m),
     }[name]()
-    return _with_communication(name, p, m, v, split_backward=(name == "zb-h1"), orders=orders)
+    return _with_communication(name, p, m, v, split_backward=(name == "zb-h1"), orders=orders, notes=notes)
 
 
 def _with_communication(name: str, p: int, m: int, v: int, *, split_backward: bool,
-                        orders: Sequence[Iterable[tuple[str, int, int]]]) -> Schedule:
+                        orders: Sequence[Iterable[tuple[str, int, int]]], notes: tuple[str, ...] = ()) -> Schedule:
     """Insert sends and receives around compute actions: receive just before use, send just after."""
     last = p * v - 1
     actions = []
@@ -307,7 +319,7 @@ def _with_communication(name: str, p: int, m: int, v: int, *, split_backward: bo
                 acts.append(Action(kind, mb, c))
         actions.append(tuple(acts))
     return Schedule(name=name, stages=p, microbatches=m, chunks=v, split_backward=split_backward,
-                    actions=tuple(actions))
+                    actions=tuple(actions), notes=notes)
 
 
 def schedule_from_table(table, *, stages: Optional[int] = None, microbatches: Optional[int] = None,

@@ -10,7 +10,9 @@ Pure planning code. Checks, in order:
    (except on the first virtual stage) and followed by its SEND_ACT (except on the last); likewise
    B with RECV_GRAD / SEND_GRAD;
 4. a dry run of the send/receive graph (:func:`mlmkit.pipeline.simulate.dry_run`, unit costs):
-   every receive gets the message it expects, nothing deadlocks, nothing is left unreceived.
+   every receive gets the message it expects, nothing deadlocks, nothing is left unreceived;
+5. with ``batched=True`` (NCCL's semantics: sends rendezvous with their receive, tags ignored), the
+   batches the executor will post (:func:`mlmkit.pipeline.batching.plan_batches`) complete.
 """
 
 from __future__ import annotations
@@ -20,8 +22,12 @@ from mlmkit.pipeline.schedule import COMM, KINDS, Schedule, ScheduleError
 __all__ = ["validate"]
 
 
-def validate(schedule: Schedule) -> Schedule:
-    """Raise :class:`ScheduleError` if ``schedule`` cannot run correctly; return it otherwise."""
+def validate(schedule: Schedule, *, batched: bool = False) -> Schedule:
+    """Raise :class:`ScheduleError` if ``schedule`` cannot run correctly; return it otherwise.
+
+    ``batched``: also check batched communication under NCCL's semantics (what the executor does
+    with ``batch_p2p=True``, its default on NCCL).
+    """
     from mlmkit.pipeline.simulate import Costs, dry_run
 
     p, m, v = schedule.stages, schedule.microbatches, schedule.chunks
@@ -41,6 +47,10 @@ def validate(schedule: Schedule) -> Schedule:
             for mb in range(m):
                 _check_microbatch(schedule, r, c, mb, vs, last, seen)
     dry_run(schedule, Costs(forward=1.0, backward=1.0, weight=1.0))
+    if batched:
+        from mlmkit.pipeline.batching import plan_batches
+
+        plan_batches(schedule)
     return schedule
 
 

@@ -36,6 +36,10 @@ def _parse(argv):
 
 
 def build_config(args) -> TrainConfig:
+    for flag in ("steps", "save_every"):
+        value = getattr(args, flag)
+        if value is not None and value < 0:
+            raise SystemExit(f"python -m mlmkit.train: --{flag.replace('_', '-')}={value} must be >= 0")
     cfg = TrainConfig.from_file(args.config) if args.config else demo_config()
     overrides = {}
     for field in ("tp", "pp", "dp", "chunks", "micro_batch_size", "global_batch_size", "max_steps", "warmup_steps",
@@ -48,7 +52,10 @@ def build_config(args) -> TrainConfig:
 
 def main(argv=None) -> int:
     args = _parse(argv)
-    cfg = build_config(args)  # bad configs fail here, before any process group exists
+    try:
+        cfg = build_config(args)  # bad configs fail here, before any process group exists
+    except ValueError as err:
+        raise SystemExit(f"python -m mlmkit.train: {err}") from None
     import torch
 
     from mlmkit.distributed import ProcessGroups, init_distributed

@@ -1,31 +1,43 @@
-"""Checkpoints: one shard per model-parallel rank plus metadata, written atomically, loadable into
-any other layout, exportable as the serial model's state dict.
+"""Checkpoints: one shard per model-parallel rank plus metadata, written atomically, verified on load,
+loadable into any other layout, exportable as the serial model's state dict.
 
 Layout on disk::
 
     ckpt/
       latest                      # name of the newest complete checkpoint ("step_000003")
       step_000003/
-        metadata.json             # model and train config, topology, step, shard files and sizes
+        metadata.json             # model and train config, topology, step, and per shard file its
+                                  # size and SHA-256
         shard_tp0_pp0.pt          # parameters, AdamW state and RNG of (tp=0, pp=0) ...
         shard_tp1_pp0.pt
 
 Data-parallel replicas hold identical parameters and (after gathering ZeRO-1 shards) identical
 optimizer state, so the dp-rank-0 rank of each (tp, pp) coordinate writes one shard.
 
-Atomicity: every shard and the metadata go to a temporary folder ``.step_000003.tmp``; only when
-all are written does rank 0 rename it and then replace ``latest`` (``os.replace``). A crash in
-between leaves the previous checkpoint, and ``latest`` pointing at it, untouched.
+Write new, then switch: every shard and the metadata go to a temporary folder; when all are
+written, rank 0 renames it to a folder name not in use (``step_000003``, or ``step_000003.1`` when
+the same step is saved again), then replaces ``latest`` (``os.replace``, atomic), and only then
+deletes what ``latest`` pointed to before if it was the same step (and, with ``keep``, older
+checkpoints). A crash at any point leaves ``latest`` pointing at a complete checkpoint.
+
+Verification: each writer hashes the bytes it writes; the metadata lists every shard's size and
+SHA-256, and loading checks both, so a truncated file or a flipped byte is an error naming the file
+(:class:`CheckpointError`), as is any other defect of a file (missing, unreadable, malformed
+metadata).
 
 Resharding: a shard stores each parameter's local tensor with its split dimension; loading
 rebuilds the full tensor of every parameter this rank needs (concatenating the old TP slices and
 finding the old pipeline stage by the parameter's global name), then slices it for the new layout.
-AdamW state is resharded the same way. Files are read with ``torch.load(weights_only=True)``.
-RNG state is restored only when the layout is unchanged (dropout streams depend on tp/pp rank).
+AdamW state is resharded the same way, and an optimizer that keeps its own copy of the weights
+(ZeRO-1's fp32 shard) refreshes it from the loaded parameters. Files are read with
+``torch.load(weights_only=True)``. RNG state is restored only when the layout is unchanged
+(dropout streams depend on tp/pp rank).
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
 import shutil
@@ -37,6 +49,9 @@ import torch
 from mlmkit.train.config import TrainConfig
 
 __all__ = ["CheckpointError", "export_state_dict", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+
+FORMAT = "mlmkit-checkpoint-2"
+_FORMATS = ("mlmkit-checkpoint-1", FORMAT)   # version 1: sizes only, no checksums
 
 
 class CheckpointError(ValueError):
@@ -52,14 +67,24 @@ def _meta(p) -> dict:
             "vocab_rows": getattr(p, "vocab_rows", None)}
 
 
-def save_checkpoint(trainer, directory: str, *, _before_write=None) -> str:
+def _write_file(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_checkpoint(trainer, directory: str, *, keep: Optional[int] = None, _before_write=None) -> str:
     """Write a checkpoint of ``trainer`` at its current step into ``directory``; returns its path.
 
-    Collective over the world. ``_before_write(path)`` is a test hook called before each shard write.
+    Collective over the world. ``keep``: after the switch, delete all but the newest ``keep``
+    checkpoints of ``directory``. ``_before_write(path)`` is a test hook called before each shard
+    write.
     """
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"save_checkpoint: keep={keep!r} must be an integer >= 1 (or None: keep all)")
     groups, cfg = trainer.groups, trainer.config
     name = f"step_{trainer.step:06d}"
-    final = os.path.join(directory, name)
     tmp = os.path.join(directory, f".{name}.tmp")
     if groups.rank == 0:
         os.makedirs(directory, exist_ok=True)
@@ -78,31 +103,67 @@ def save_checkpoint(trainer, directory: str, *, _before_write=None) -> str:
             "torch_rng": torch.get_rng_state(),
         }
         path = os.path.join(tmp, _shard_name(c.tp, c.pp))
+        buf = io.BytesIO()
+        torch.save(shard, buf)
+        data = buf.getvalue()
         if _before_write is not None:
             _before_write(path)
-        torch.save(shard, path)
+        _write_file(path, data)
+        digest = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        _write_file(path + ".sha256", json.dumps(digest).encode())
     groups.world.barrier()
     if groups.rank == 0:
         files = {}
         for t in range(cfg.tp):
             for p in range(cfg.pp):
                 f = _shard_name(t, p)
-                files[f] = os.path.getsize(os.path.join(tmp, f))
-        meta = {"format": "mlmkit-checkpoint-1", "step": trainer.step, "config": cfg.to_dict(),
+                side = os.path.join(tmp, f + ".sha256")
+                with open(side) as fh:
+                    files[f] = json.load(fh)
+                os.remove(side)
+        meta = {"format": FORMAT, "step": trainer.step, "config": cfg.to_dict(),
                 "topology": asdict(cfg.topology), "files": files}
-        with open(os.path.join(tmp, "metadata.json"), "w") as f:
-            json.dump(meta, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+        _write_file(os.path.join(tmp, "metadata.json"), json.dumps(meta, indent=2).encode())
+        previous = _pointed(directory)
+        final_name = name
+        k = 0
+        while os.path.exists(os.path.join(directory, final_name)):
+            k += 1
+            final_name = f"{name}.{k}"
+        os.rename(tmp, os.path.join(directory, final_name))
         latest_tmp = os.path.join(directory, ".latest.tmp")
-        with open(latest_tmp, "w") as f:
-            f.write(name)
+        _write_file(latest_tmp, final_name.encode())
         os.replace(latest_tmp, os.path.join(directory, "latest"))
+        # Only now is the old one unreferenced.
+        if previous is not None and previous.split(".")[0] == name:
+            shutil.rmtree(os.path.join(directory, previous), ignore_errors=True)
+        if keep is not None:
+            for old in _checkpoint_folders(directory)[:-keep]:
+                if old != final_name:
+                    shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
     groups.world.barrier()
-    return final
+    return latest_checkpoint(directory)
+
+
+def _pointed(directory: str) -> Optional[str]:
+    try:
+        with open(os.path.join(directory, "latest")) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def _checkpoint_folders(directory: str) -> list[str]:
+    """Complete checkpoint folders of ``directory``, oldest first (by step, then by save)."""
+    out = []
+    for entry in os.listdir(directory):
+        if entry.startswith("step_") and os.path.exists(os.path.join(directory, entry, "metadata.json")):
+            head, _, again = entry.partition(".")
+            try:
+                out.append((int(head[len("step_"):]), int(again or 0), entry))
+            except ValueError:
+                continue
+    return [e for *_, e in sorted(out)]
 
 
 def latest_checkpoint(directory: str) -> str:
@@ -110,18 +171,50 @@ def latest_checkpoint(directory: str) -> str:
     if os.path.exists(os.path.join(directory, "metadata.json")):
         return directory
     pointer = os.path.join(directory, "latest")
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"no checkpoint at {directory}: the folder does not exist")
     if not os.path.exists(pointer):
         raise CheckpointError(f"no checkpoint in {directory}: neither metadata.json nor a 'latest' file")
-    with open(pointer) as f:
-        return os.path.join(directory, f.read().strip())
+    try:
+        with open(pointer) as f:
+            name = f.read().strip()
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"checkpoint pointer {pointer} cannot be read: {err}") from None
+    path = os.path.join(directory, name)
+    if not name or os.sep in name or not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint pointer {pointer} names {name!r}, which is not a checkpoint folder "
+                              f"in {directory}")
+    return path
 
 
 def _read_metadata(path: str) -> dict:
     meta_path = os.path.join(path, "metadata.json")
     if not os.path.exists(meta_path):
         raise CheckpointError(f"checkpoint {path} has no metadata.json (incomplete or not a checkpoint)")
-    with open(meta_path) as f:
-        return json.load(f)
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"checkpoint metadata {meta_path} is damaged: {err}") from None
+    try:
+        if not isinstance(meta, dict):
+            raise TypeError("not a JSON object")
+        if meta.get("format") not in _FORMATS:
+            raise ValueError(f"format {meta.get('format')!r} is not one of {list(_FORMATS)}")
+        if isinstance(meta["step"], bool) or not isinstance(meta["step"], int) or meta["step"] < 0:
+            raise ValueError(f"step {meta['step']!r} is not a step number")
+        topo = meta["topology"]
+        for axis in ("tp", "pp", "dp"):
+            if isinstance(topo[axis], bool) or not isinstance(topo[axis], int) or topo[axis] < 1:
+                raise ValueError(f"topology {topo!r} is not a rank grid")
+        if not isinstance(meta["config"], dict) or not isinstance(meta["config"].get("model"), dict):
+            raise ValueError("config has no model section")
+        if not isinstance(meta["files"], dict):
+            raise ValueError("files is not a table of shard files")
+    except (KeyError, TypeError, ValueError) as err:
+        missing = f"no {err} entry" if isinstance(err, KeyError) else str(err)
+        raise CheckpointError(f"checkpoint metadata {meta_path} is damaged: {missing}") from None
+    return meta
 
 
 class _Shards:
@@ -139,13 +232,28 @@ class _Shards:
             if not os.path.exists(f):
                 raise CheckpointError(f"checkpoint shard {f} is missing")
             expected = self.meta["files"].get(name)
-            if expected is not None and os.path.getsize(f) != expected:
-                raise CheckpointError(
-                    f"checkpoint shard {f} is truncated or corrupt: {os.path.getsize(f)} bytes, metadata says {expected}")
+            if expected is None:
+                raise CheckpointError(f"checkpoint shard {f} is not listed in {self.path}/metadata.json")
+            size, digest = (expected, None) if isinstance(expected, int) else (expected.get("bytes"), expected.get("sha256"))
             try:
-                self._cache[(tp, pp)] = torch.load(f, map_location="cpu", weights_only=True)
+                with open(f, "rb") as fh:
+                    data = fh.read()
+            except OSError as err:
+                raise CheckpointError(f"checkpoint shard {f} cannot be read: {err}") from None
+            if len(data) != size:
+                raise CheckpointError(
+                    f"checkpoint shard {f} is truncated or corrupt: {len(data)} bytes, metadata says {size}")
+            if digest is not None and hashlib.sha256(data).hexdigest() != digest:
+                raise CheckpointError(
+                    f"checkpoint shard {f} is corrupt: its SHA-256 does not match the one in metadata.json "
+                    f"(the file changed after it was written)")
+            try:
+                shard = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                for key in ("params", "meta", "optimizer", "optimizer_step", "rng", "torch_rng"):
+                    shard[key]
             except Exception as err:  # noqa: BLE001 - any unpickling failure means a bad file
-                raise CheckpointError(f"checkpoint shard {f} is truncated or corrupt: {err}") from None
+                raise CheckpointError(f"checkpoint shard {f} is truncated or corrupt: {err!r}") from None
+            self._cache[(tp, pp)] = shard
         return self._cache[(tp, pp)]
 
     def _locate(self, name: str) -> Optional[int]:
@@ -193,8 +301,18 @@ def _local_slice(full: torch.Tensor, param, tp_size: int, tp_rank: int) -> torch
 
 def load_checkpoint(trainer, path: str) -> int:
     """Load the checkpoint at ``path`` (a checkpoint folder, or a folder with ``latest``) into ``trainer``,
-    whatever layout it was saved in. Returns the step to continue from."""
+    whatever layout it was saved in. Returns the step to continue from. Every defect of the files
+    raises :class:`CheckpointError` naming the file."""
     path = latest_checkpoint(path)
+    try:
+        return _load(trainer, path)
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as err:
+        raise CheckpointError(f"checkpoint {path} cannot be loaded: {type(err).__name__}: {err}") from None
+
+
+def _load(trainer, path: str) -> int:
     meta = _read_metadata(path)
     saved_model = meta["config"]["model"]
     mine = trainer.config.model.to_dict()
@@ -219,6 +337,7 @@ def load_checkpoint(trainer, path: str) -> int:
             if st:
                 states[name] = st
     opt_step = shards.shard(0, 0)["optimizer_step"]
+    trainer.optimizer.params_loaded()
     if states:
         trainer.optimizer.load_state_by_name(states, opt_step)
     same_layout = meta["topology"] == asdict(trainer.config.topology) and meta["config"]["chunks"] == trainer.config.chunks

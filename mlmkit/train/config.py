@@ -10,7 +10,21 @@ from mlmkit.model.config import GPTConfig, reject_unknown_keys
 from mlmkit.pipeline.schedule import SCHEDULES, make_schedule
 from mlmkit.topology import Topology
 
-__all__ = ["TrainConfig", "demo_config"]
+__all__ = ["TOKENIZER_VOCAB", "TrainConfig", "demo_config"]
+
+#: Vocabulary of the byte tokenizer the trainer uses (:class:`mlmkit.train.data.ByteTokenizer`).
+TOKENIZER_VOCAB = 256
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"TrainConfig: {name}={value!r} must be an integer >= {minimum}")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"TrainConfig: {name}={value!r} must be true or false (a bool, not "
+                         f"{type(value).__name__}); in a JSON config write true/false without quotes")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,24 +74,57 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0
-    """Clip the global gradient norm to this value."""
+    """Clip the global gradient norm to this value (0: no clipping, as in Megatron-LM)."""
     seed: int = 0
     """Seed of the data order."""
     corpus: Optional[str] = None
     """Text file to train on (default: the small corpus shipped in mlmkit/data)."""
     tracing: bool = True
     """Record per-rank traces (compute, communication)."""
+    per_token_loss: bool = True
+    """Loss = sum of token losses / non-ignored tokens of the whole global batch (Megatron-LM's
+    per-token loss), so ignored targets weigh the same in every layout. ``False``: the mean of the
+    microbatches' means (differs from the serial model when microbatches hold different numbers
+    of non-ignored targets)."""
+    batch_p2p: Optional[bool] = None
+    """Pipeline communication as planned batches without tags (NCCL's way); ``None``: on with
+    NCCL, off with gloo. See :mod:`mlmkit.pipeline.batching`."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, GPTConfig):
             raise ValueError(f"TrainConfig.model must be a GPTConfig, got {type(self.model).__name__}")
         topo = self.topology  # validates degrees
         for name in ("micro_batch_size", "global_batch_size", "max_steps", "bucket_bytes"):
+            _check_int(name, getattr(self, name), minimum=1)
+        _check_int("warmup_steps", self.warmup_steps, minimum=0)
+        _check_int("seed", self.seed, minimum=0)
+        for name in ("sequence_parallel", "recompute", "zero1", "tracing", "per_token_loss"):
+            _check_bool(name, getattr(self, name))
+        if self.batch_p2p is not None:
+            _check_bool("batch_p2p", self.batch_p2p)
+        for name in ("lr", "min_lr", "weight_decay", "beta1", "beta2", "eps", "grad_clip"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"TrainConfig: {name}={v!r} must be an integer >= 1")
-        if self.warmup_steps < 0:
-            raise ValueError(f"TrainConfig: warmup_steps={self.warmup_steps} must be >= 0")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+                raise ValueError(f"TrainConfig: {name}={v!r} must be a number")
+        if self.grad_clip < 0:
+            raise ValueError(f"TrainConfig: grad_clip={self.grad_clip} must be >= 0 (a negative clip turns the "
+                             f"update into gradient ascent); use 0 to switch clipping off")
+        if self.eps <= 0:
+            raise ValueError(f"TrainConfig: eps={self.eps} must be > 0 (it keeps Adam's division finite); "
+                             f"the usual value is 1e-8")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"TrainConfig: {name}={getattr(self, name)} must be in [0, 1) "
+                                 f"(Adam's moving-average coefficient; typical: beta1=0.9, beta2=0.95)")
+        if self.weight_decay < 0:
+            raise ValueError(f"TrainConfig: weight_decay={self.weight_decay} must be >= 0")
+        if self.corpus is not None and not isinstance(self.corpus, str):
+            raise ValueError(f"TrainConfig: corpus={self.corpus!r} must be a file path (str) or None")
+        if self.model.vocab_size < TOKENIZER_VOCAB:
+            raise ValueError(
+                f"TrainConfig: model.vocab_size={self.model.vocab_size} is smaller than the byte tokenizer's "
+                f"vocabulary ({TOKENIZER_VOCAB}): token ids up to {TOKENIZER_VOCAB - 1} would be out of range. "
+                f"Use vocab_size >= {TOKENIZER_VOCAB}.")
         per_step = self.micro_batch_size * self.dp
         if self.global_batch_size % per_step:
             raise ValueError(

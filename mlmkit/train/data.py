@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from mlmkit.train.config import TOKENIZER_VOCAB
+
 __all__ = ["ByteTokenizer", "TextData", "default_corpus"]
 
 
@@ -22,7 +24,7 @@ def default_corpus() -> str:
 class ByteTokenizer:
     """UTF-8 bytes as token ids: vocabulary 256, no unknown tokens."""
 
-    vocab_size = 256
+    vocab_size = TOKENIZER_VOCAB
 
     def encode(self, text: str) -> torch.Tensor:
         return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)

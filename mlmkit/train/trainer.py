@@ -62,11 +62,13 @@ class Trainer:
         self.memory = (MemoryTracker(rank=groups.rank, params=[p for _, p in named], optimizer=self.optimizer)
                        if config.tracing else None)
         self.executor = PipelineExecutor(schedule=self.schedule, chunks=self.chunks, groups=groups,
-                                         tracer=self.tracer, memory=self.memory)
+                                         tracer=self.tracer, memory=self.memory, batch_p2p=config.batch_p2p,
+                                         per_token_loss=config.per_token_loss)
         self.data = TextData(seq_len=config.model.seq_len, path=config.corpus, seed=config.seed)
         self.step = 0
         self.history: list[dict] = []
         self._t0: Optional[float] = None
+        self.updating = False   # True while the optimizer changes weights (a failure then leaves them torn)
 
     # ------------------------------------------------------------------ stepping
     def lr(self, step: Optional[int] = None) -> float:
@@ -77,13 +79,23 @@ class Trainer:
     def begin_step(self) -> None:
         """Load this step's batch into the executor; then call ``executor.step_action()`` repeatedly."""
         c = self.config
-        tokens, targets = self.data.replica_batch(self.step, global_batch=c.global_batch_size,
-                                                  dp_rank=self.groups.coords.dp, dp=c.dp)
+        tokens, targets = self.data.batch(self.step, c.global_batch_size)      # the global batch
+        # Per-token loss: every replica divides its summed token losses by the tokens of the whole
+        # global batch (times dp, since the dp gradient reduction averages).
+        scale = c.dp / max(1, int((targets != self.executor.ignore_index).sum()))
+        n = c.global_batch_size // c.dp
+        lo = self.groups.coords.dp * n
         for model in self.chunks:
             model.train()
         self.optimizer.zero_grad()
         self._t0 = time.perf_counter()
-        self.executor.start_step(tokens, targets)
+        self.executor.start_step(tokens[lo:lo + n], targets[lo:lo + n], loss_scale=scale)
+
+    def abandon_step(self) -> None:
+        """Drop the step in progress (activations, pending messages, gradients); weights unchanged
+        unless the failure hit during the optimizer update (then :attr:`updating` stays True)."""
+        self.executor.abandon()
+        self.optimizer.zero_grad()
 
     def finish_step(self) -> dict:
         """After the schedule ran: optimizer step and metrics (collective over the world)."""
@@ -92,7 +104,9 @@ class Trainer:
         self.executor.finalize()
         loss = self._mean_loss()
         lr = self.lr()
+        self.updating = True
         grad_norm = self.optimizer.step(lr=lr)
+        self.updating = False
         if self.memory is not None:
             self.memory.record(action="optimizer", microbatch=-1)
         elapsed = time.perf_counter() - (self._t0 or time.perf_counter())
