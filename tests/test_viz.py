@@ -125,7 +125,9 @@ def test_schedule_explorer_from_python():
     ex.weight.value = 1.0
     ex.backward.value = 1.0
     assert ex.result.schedule.split_backward
-    ex.microbatches.value = 2                    # too few: shown, not raised
+    ex.microbatches.value = 2                    # fewer than stages: runs, with a note
+    assert ex.result is not None and "bubble is large" in ex.summary.value
+    ex.schedule.value = "interleaved-1f1b"       # interleaving refuses it: shown, not raised
     assert ex.result is None and "too few microbatches" in ex.error
     assert "Not a valid schedule" in ex.summary.value
 

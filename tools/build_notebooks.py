@@ -626,11 +626,35 @@ try:
 except ScheduleError as err:
     print(err)
 """),
+    md("""
+Fewer microbatches than stages is allowed for 1F1B (as in Megatron-LM), with a note about the
+bubble; interleaving refuses it.
+"""),
     code("""
+print(make_schedule("1f1b", stages=4, microbatches=2))
 try:
-    make_schedule("1f1b", stages=4, microbatches=2)
+    make_schedule("interleaved-1f1b", stages=4, microbatches=2, chunks=2)
 except ScheduleError as err:
     print(err)
+"""),
+    md("""
+## 5. NCCL pairs batched sends and receives by order, and waits for whole batches
+
+On GPUs, sends and receives are posted in batches (`batch_isend_irecv`) and NCCL ignores tags. The
+rule "each run of consecutive communication actions is one batch" deadlocks interleaved 1F1B as
+soon as there are more microbatches than stages; mlmkit plans batches that pair up instead, and
+its executor runs them (`batch_p2p=True`, the default with NCCL; on CPU it checks the same plan).
+"""),
+    code("""
+from mlmkit.pipeline.batching import check_batches, natural_batches, plan_batches
+s = make_schedule("interleaved-1f1b", stages=2, microbatches=4, chunks=2)
+try:
+    check_batches(s, natural_batches(s))
+except ScheduleError as err:
+    print(str(err)[:300], "...")
+plan = plan_batches(s)
+print(f"the plan: {plan.rounds} lockstep rounds; rank 0 runs")
+print("\\n".join(plan.describe(0)[:8]))
 """),
     code("""
 cluster.shutdown()

@@ -8,62 +8,107 @@
         session = cluster.session(config)                     # interactive training
 
 Start: an ipyparallel controller on 127.0.0.1 (unless a multi-node profile says otherwise) in a
-private profile folder whose connection files are readable by their owner only; engines sorted by
-host into ranks; one GPU per engine by local rank when CUDA exists, else CPU threads divided
-between the engines of a host; ``torch.distributed`` initialised on a free port of rank 0's host
-(retried on collision); process groups built from the Topology.
+private profile folder (mode 0700; connection files 0600) that is removed at shutdown, at the
+driver's exit, or by a watchdog process if the driver is killed; engines sorted by host into
+ranks; one GPU per engine by local rank when CUDA exists, else CPU threads divided between the
+engines of a host; ``torch.distributed`` initialised on a free port of rank 0's host (retried on
+collision), its rendezvous store and gloo's connections bound to 127.0.0.1 for a local cluster;
+process groups built from the Topology.
 
-Failures never hang the notebook. Every call waits at most ``timeout_s``. When a rank raises, its
-process groups are dropped at once (closing its connections), which frees peers blocked in a
-collective with it; the error is raised in the notebook with the rank and its remote traceback
-within a few seconds, after every rank re-joined a fresh ``torch.distributed`` world on a new port.
-A rank still busy after ``grace_s`` (stuck) or whose engine died is killed and replaced by a new
-engine before the error is raised, so the next cell works without a manual restart.
+Failures never hang the notebook, and an error arrives promptly; repairs happen at the next call.
+
+- A rank raises: it abandons its step and drops its process groups at once (closing its
+  connections), which frees peers blocked in a collective or a receive with it; the error is
+  raised with the rank and its remote traceback within a few seconds. No engine is replaced:
+  the next call re-joins every rank to a fresh ``torch.distributed`` world on a new port.
+- A rank does not finish within ``timeout_s``: every unfinished local rank dumps its Python stack;
+  ranks that are not blocked in communication (the stuck ones) are killed first, which frees the
+  ranks blocked on them; anything still running a moment later is killed too. :class:`RankTimeout`
+  names the stuck ranks with their stacks. Killed engines are replaced at the next call.
+- An engine dies: :class:`EngineDied` names it; it is replaced at the next call.
+- Ctrl-C while waiting: the busy engines get SIGINT (their Python code stops and aborts, which
+  frees their peers); engines still busy after ``grace_s`` are killed and replaced at the next call.
 
 Shutdown destroys the process groups first (engines holding a live gloo group stop slowly), then
 stops engines and controller, then checks by pid that none of their processes is left (and kills
-any that is).
+any that is), and removes the private folder.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
+import signal
 import socket
 import stat
 import tempfile
 import time
+import weakref
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from mlmkit.cluster import engine as remote
+from mlmkit.cluster.reaper import write_pids
 from mlmkit.topology import Topology
 
-__all__ = ["Cluster", "EngineDied", "RankError", "RankTimeout", "alive"]
+__all__ = ["Cluster", "EngineDied", "RankError", "RankTimeout", "alive", "max_local_engines"]
 
 STATE = "mlmkit_rank"   # name of the EngineState in each engine's namespace
+#: Memory one CPU engine takes with torch imported (measured ~0.3 GiB RSS), with headroom.
+ENGINE_BYTES = 400 * 2**20
+#: Never more local CPU engines than this, whatever the memory.
+MAX_LOCAL_ENGINES = 64
 
 
 class RankError(RuntimeError):
     """A rank raised. ``rank``: which; ``remote_traceback``: its traceback; ``others``: later failures."""
 
+    what = "raised"
+
     def __init__(self, rank: int, remote_traceback: str, *, others: Optional[dict] = None, note: str = ""):
         self.rank, self.remote_traceback, self.others = rank, remote_traceback, others or {}
-        super().__init__(f"rank {rank} raised{note}:\n{remote_traceback}")
+        super().__init__(f"rank {rank} {self.what}{note}:\n{remote_traceback}")
 
 
 class EngineDied(RankError):
-    """The engine of ``rank`` died (killed, crashed). It has been replaced."""
+    """The engine of ``rank`` died (killed, crashed). It is replaced at the next call."""
+
+    what = "died"
 
 
 class RankTimeout(RankError):
-    """Ranks did not answer within the bound; they were killed and replaced."""
+    """``rank`` (and ``ranks``) did not finish within the bound; ``stacks`` tells where they were.
+    They were killed; their engines are replaced at the next call."""
+
+    what = "did not finish"
+
+    def __init__(self, rank: int, remote_traceback: str, *, ranks: Sequence[int] = (), stacks: Optional[dict] = None,
+                 note: str = ""):
+        self.ranks, self.stacks = list(ranks) or [rank], stacks or {}
+        super().__init__(rank, remote_traceback, note=note)
 
 
 def _profile_source(profile: str) -> Optional[Path]:
     here = Path(__file__).resolve().parents[2] / "cluster" / f"profile_{profile}"
     return here if here.is_dir() else None
+
+
+def max_local_engines() -> int:
+    """How many CPU engines this machine can hold: its available memory / :data:`ENGINE_BYTES`,
+    at most :data:`MAX_LOCAL_ENGINES` (several engines may share a core: keep models tiny)."""
+    import psutil
+
+    return max(1, min(MAX_LOCAL_ENGINES, int(psutil.virtual_memory().available // ENGINE_BYTES)))
+
+
+def _check_seconds(name: str, value: object, *, allow_zero: bool = False, upper: float = 24 * 3600) -> float:
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and value == value
+    if not ok or value < 0 or (value == 0 and not allow_zero) or value > upper:
+        low = "0 <=" if allow_zero else "0 <"
+        raise ValueError(f"Cluster: {name}={value!r} must be a number of seconds with {low} {name} <= {upper:g}")
+    return float(value)
 
 
 class Cluster:
@@ -75,25 +120,42 @@ class Cluster:
         profile: ``"local"`` (default), ``"slurm"`` or ``"mpi"``: a profile folder in ``cluster/``.
         timeout_s: bound on every call (default 60 s).
         collective_timeout_s: torch.distributed timeout of each rank's groups.
-        grace_s: after a rank failed, how long the others get to finish before being killed.
+        grace_s: after a rank failed (or Ctrl-C), how long the others get to finish before being killed.
         threads: torch threads per CPU engine (default: cores of the host / engines on it).
         backend: "gloo" or "nccl" (default: nccl with CUDA, else gloo).
+        engine_start_timeout_s: bound on starting the engines.
+
+    Bad values raise ValueError here, before any process starts.
     """
 
     def __init__(self, *, topology: Optional[Topology] = None, n: Optional[int] = None, profile: str = "local",
                  timeout_s: float = 60.0, collective_timeout_s: float = 30.0, grace_s: float = 2.0,
                  threads: Optional[int] = None, backend: Optional[str] = None, engine_start_timeout_s: float = 120.0):
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"Cluster: n={n!r} must be an integer >= 1 (the number of engines)")
         if topology is None:
             if n is None:
                 raise ValueError("Cluster: give topology=Topology(...) or n=<number of engines>")
             topology = Topology(dp=n)
+        if not isinstance(topology, Topology):
+            raise ValueError(f"Cluster: topology={topology!r} must be a mlmkit.Topology")
         if n is not None and n != topology.world_size:
             raise ValueError(f"Cluster: n={n} engines but {topology!r} needs {topology.world_size}")
-        if timeout_s <= 0 or timeout_s > 3600:
-            raise ValueError(f"Cluster: timeout_s={timeout_s} must be in (0, 3600]")
+        self.timeout_s = _check_seconds("timeout_s", timeout_s, upper=3600)
+        self.collective_timeout_s = _check_seconds("collective_timeout_s", collective_timeout_s)
+        self.grace_s = _check_seconds("grace_s", grace_s, allow_zero=True, upper=3600)
+        self.engine_start_timeout_s = _check_seconds("engine_start_timeout_s", engine_start_timeout_s)
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"Cluster: threads={threads!r} must be an integer >= 1 (or None: cores / engines)")
+        if backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"Cluster: backend={backend!r} is not a torch.distributed backend mlmkit uses; "
+                             f"choose 'gloo' (CPU), 'nccl' (one GPU per engine) or None (nccl when CUDA exists)")
+        if not isinstance(profile, str) or (profile != "local" and _profile_source(profile) is None):
+            raise ValueError(f"Cluster: no profile folder cluster/profile_{profile} (profiles: local, slurm, mpi)")
+        if profile == "local":
+            self._check_local_capacity(topology.world_size, backend)
         self.topology, self.profile = topology, profile
-        self.timeout_s, self.collective_timeout_s, self.grace_s = timeout_s, collective_timeout_s, grace_s
-        self.threads, self.backend, self.engine_start_timeout_s = threads, backend, engine_start_timeout_s
+        self.threads, self.backend = threads, backend
         self.ipp_cluster = None
         self.client = None
         self.view = None
@@ -101,12 +163,36 @@ class Cluster:
         self.info: list[dict] = []             # engine_info() of each rank
         self.setup: list[dict] = []
         self._profile_dir: Optional[str] = None
+        self._attached = False
         self._all_pids: set[int] = set()
         self.start_time_s: Optional[float] = None
         self.master: Optional[tuple[str, int]] = None
         self.generation = 0                    # bumped whenever an engine is replaced
-        self._dead_pids: dict[int, int] = {}   # pid of each rank's engine before its last replacement
+        self._broken = False                   # process groups must be rebuilt before the next call
+        self._doomed: set[int] = set()         # ranks whose engines were killed: replaced at the next call
         self._hostname = socket.gethostname()
+        self._reaper = None
+
+    @staticmethod
+    def _check_local_capacity(n: int, backend: Optional[str]) -> None:
+        import torch
+
+        cuda = torch.cuda.is_available() and backend != "gloo"
+        if cuda and n > torch.cuda.device_count():
+            raise ValueError(
+                f"Cluster: {n} engines but this machine has {torch.cuda.device_count()} GPU(s); each engine takes "
+                f"one GPU. Use a topology of at most {torch.cuda.device_count()} ranks, or backend='gloo' to run "
+                f"the ranks on the CPU.")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise ValueError("Cluster: backend='nccl' needs CUDA, which this machine does not have; use "
+                             "backend='gloo' (or None: gloo without CUDA)")
+        if not cuda:
+            limit = max_local_engines()
+            if n > limit:
+                raise ValueError(
+                    f"Cluster: n={n} engines is more than this machine can run: each CPU engine takes about "
+                    f"{ENGINE_BYTES / 2**30:.1f} GiB with torch loaded, and the available memory holds {limit}. "
+                    f"Use a topology of at most {limit} ranks, or a multi-node profile (profile='slurm').")
 
     # ================================================================== lifecycle
     @property
@@ -117,6 +203,11 @@ class Cluster:
     def running(self) -> bool:
         return self.client is not None
 
+    @property
+    def private_dir(self) -> Optional[str]:
+        """This cluster's private folder (mode 0700), removed at shutdown; ``None`` when attached."""
+        return self._profile_dir
+
     def start(self) -> "Cluster":
         """Start controller and engines, make ranks of them, initialise torch.distributed."""
         import ipyparallel as ipp
@@ -125,11 +216,13 @@ class Cluster:
             return self
         t0 = time.perf_counter()
         self._profile_dir = tempfile.mkdtemp(prefix="mlmkit-ipp-")
+        _finalizer = weakref.finalize(self, shutil.rmtree, self._profile_dir, True)
+        atexit.register(_finalizer)   # removed at exit even without shutdown()
         src = _profile_source(self.profile)
         if src is not None:
             shutil.copytree(src, self._profile_dir, dirs_exist_ok=True)
-        elif self.profile != "local":
-            raise ValueError(f"Cluster: no profile folder cluster/profile_{self.profile}")
+        os.chmod(self._profile_dir, stat.S_IRWXU)        # copytree copied the source folder's mode
+        os.makedirs(os.path.join(self._profile_dir, "stacks"), mode=0o700, exist_ok=True)
         kwargs = dict(n=self.world_size, profile_dir=self._profile_dir, log_level=40, shutdown_atexit=True)
         if self.profile == "local":
             kwargs["controller_ip"] = "127.0.0.1"
@@ -139,23 +232,31 @@ class Cluster:
             self.client.wait_for_engines(self.world_size, timeout=self.engine_start_timeout_s)
             self._secure_connection_files()
             self._assign_ranks(sorted(self.client.ids))
+            self._start_reaper()
             self._connect_all()
         except BaseException:
             self.shutdown()
             raise
         self.start_time_s = time.perf_counter() - t0
-        self._start_reaper()
         return self
 
+    def _pids_file(self) -> str:
+        return os.path.join(self._profile_dir, "pids")
+
     def _start_reaper(self) -> None:
-        # A separate watchdog kills controller and engines if this kernel dies abruptly.
+        # A separate watchdog kills controller and engines (and removes the private folder) if this
+        # kernel dies abruptly. It re-reads the pids file, which replacements update.
         import subprocess
         import sys
 
-        pids = sorted(self.pids())
-        self._reaper = subprocess.Popen([sys.executable, "-m", "mlmkit.cluster.reaper", str(os.getpid()),
-                                         *map(str, pids)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL, start_new_session=True)
+        import psutil
+
+        write_pids(self._pids_file(), self.pids())
+        me = psutil.Process()
+        self._reaper = subprocess.Popen(
+            [sys.executable, "-m", "mlmkit.cluster.reaper", str(me.pid), repr(me.create_time()), self._pids_file(),
+             self._profile_dir], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True)
 
     @classmethod
     def attach(cls, connection_file: str, *, topology: Topology, **kwargs) -> "Cluster":
@@ -167,9 +268,9 @@ class Cluster:
         """
         import ipyparallel as ipp
 
-        self = cls(topology=topology, **kwargs)
+        self = cls(topology=topology, profile=kwargs.pop("profile", "slurm"), **kwargs)
         t0 = time.perf_counter()
-        self.client = ipp.Client(connection_file)
+        self.client = ipp.Client(os.path.expanduser(connection_file))
         self.client.wait_for_engines(self.world_size, timeout=self.engine_start_timeout_s)
         self._attached = True
         self._assign_ranks(sorted(self.client.ids)[: self.world_size])
@@ -195,7 +296,14 @@ class Cluster:
         self.view.block = False
         self._setup_ranks(range(self.world_size))
 
+    def _stack_file(self, rank: int) -> Optional[str]:
+        if self._profile_dir is None or not self._is_local(rank):
+            return None
+        return os.path.join(self._profile_dir, "stacks", f"rank{rank}.txt")
+
     def _setup_ranks(self, ranks) -> None:
+        import psutil
+
         hosts = [inf["host"] for inf in self.info]
         per_host = Counter(hosts)
         seen: Counter = Counter()
@@ -209,16 +317,20 @@ class Cluster:
         # Engines import what the driver can: functions of the notebook's own modules (and of test
         # files) are shipped by reference and must resolve there too.
         paths = [p for p in sys.path if p and os.path.isdir(p)]
+        me = psutil.Process()
         for r in ranks:
             v = self.client[self.engine_ids[r]]
             v.execute(f"import sys as _sys; _sys.path[:0] = [p for p in {paths!r} if p not in _sys.path]; "
                       f"import torch; from mlmkit.cluster.engine import EngineState as _S; {STATE} = _S(); "
                       f"rank = {r}", block=True)
             threads = self.threads or max(1, (self.info[r]["cpus"] or 1) // per_host[hosts[r]])
+            # Attached engines belong to their job: no driver watchdog.
+            watch = self._is_local(r) and not self._attached
             results[r] = v.apply_async(
                 _setup_remote, _ref(), rank=r, world_size=self.world_size, topology=self.topology,
                 local_rank=local[r], threads=threads, backend=self.backend, timeout_s=self.collective_timeout_s,
-                driver_pid=os.getpid() if self._is_local(r) else None)
+                driver_pid=me.pid if watch else None, driver_ctime=me.create_time() if watch else None,
+                stack_file=self._stack_file(r))
         for r, ar in results.items():
             out = ar.get(timeout=self.timeout_s)
             if r < len(self.setup):
@@ -232,20 +344,32 @@ class Cluster:
 
     def _connect_all(self, attempts: int = 4) -> None:
         """(Re)join every rank to a fresh torch.distributed world on a new free port."""
+        from ipyparallel.error import RemoteError
+
         last = None
         for _ in range(attempts):
             master_host = "127.0.0.1" if self._is_local(0) else self._raw(0, remote.host_address)
             port = self._raw(0, remote.free_port)
             pending = {r: self.client[self.engine_ids[r]].apply_async(_connect_remote, _ref(), master_host, port)
                        for r in range(self.world_size)}
-            try:
-                self._wait(pending, timeout_s=self.timeout_s, recover=False)
+            errors = {}
+            deadline = time.monotonic() + self.timeout_s
+            for r, ar in pending.items():
+                try:
+                    ar.get(timeout=max(0.1, deadline - time.monotonic()))
+                except RemoteError as err:
+                    errors[r] = _remote_text(err)
+                except Exception as err:  # noqa: BLE001 - a timeout or a dead engine
+                    errors[r] = f"{type(err).__name__}: {err}"
+            if not errors:
                 self.master = (master_host, port)
+                self._broken = False
                 return
-            except RankError as err:
-                last = err
-                if "address already in use" not in err.remote_traceback.lower():
-                    raise
+            r = min(errors)
+            last = RankError(r, errors[r], others={k: v for k, v in errors.items() if k != r},
+                             note=" while joining torch.distributed")
+            if not any("address already in use" in e.lower() for e in errors.values()):
+                raise last
         raise last
 
     def _raw(self, rank: int, fn: Callable, *args):
@@ -256,7 +380,7 @@ class Cluster:
 
         Returns the pids that had to be killed by force (normally none).
         """
-        if self.ipp_cluster is None and not getattr(self, "_attached", False):
+        if self.ipp_cluster is None and not self._attached:
             return []
         if self.client is not None and self.engine_ids:
             try:
@@ -266,15 +390,13 @@ class Cluster:
                     ar.wait(timeout=5)
             except Exception:  # noqa: BLE001 - shutting down anyway
                 pass
-        if getattr(self, "_attached", False):
-            self.client.close()
+        if self._attached:
+            if self.client is not None:
+                self.client.close()
             self.client = self.view = None
+            self._attached = False
             return []
-        pids = set(self._all_pids)
-        ctrl = getattr(self.ipp_cluster, "controller", None)
-        if ctrl is not None and getattr(ctrl, "process", None) is not None:
-            pids.add(ctrl.process.pid)
-            pids.update(_children(ctrl.process.pid))
+        pids = self.pids()
         try:
             if self.client is not None:
                 self.client.close()
@@ -282,10 +404,10 @@ class Cluster:
         except Exception:  # noqa: BLE001
             pass
         killed = _reap(pids, wait_s=10.0)
-        reaper = getattr(self, "_reaper", None)
-        if reaper is not None:
-            reaper.kill()
-            reaper.wait(timeout=5)
+        if self._reaper is not None:
+            self._reaper.kill()
+            self._reaper.wait(timeout=5)
+            self._reaper = None
         self.client = self.view = self.ipp_cluster = None
         if self._profile_dir:
             shutil.rmtree(self._profile_dir, ignore_errors=True)
@@ -342,13 +464,22 @@ class Cluster:
         return pd.DataFrame(rows).set_index("rank")
 
     def ensure_healthy(self) -> list[int]:
-        """Replace engines that vanished since the last call (e.g. killed between cells).
+        """Repair what the last failure left: replace engines that were killed or vanished (e.g.
+        killed between cells), and re-join every rank to a fresh ``torch.distributed`` world.
 
-        Returns the ranks that got new engines (and bumps :attr:`generation`)."""
+        Returns the ranks that got new engines (and bumps :attr:`generation` if any did)."""
         ids = set(self.client.ids)
-        gone = [r for r in range(self.world_size) if self.engine_ids[r] not in ids or not self._engine_alive(r)]
+        gone = sorted(r for r in range(self.world_size)
+                      if r in self._doomed or self.engine_ids[r] not in ids or not self._engine_alive(r))
         if gone:
-            self._recover(dead=gone, stuck=[])
+            for r in gone:
+                if self._is_local(r):
+                    _reap({self.info[r]["pid"], *self.info[r]["children"]}, wait_s=0.0)
+            self._replace_engines(gone)
+            self._doomed.clear()
+            self._broken = True
+        if self._broken:
+            self._connect_all()
         return gone
 
     def activate(self, suffix: str = "") -> None:
@@ -361,23 +492,19 @@ class Cluster:
     def _engine_alive(self, rank: int) -> bool:
         if not self._is_local(rank):
             return True  # remote hosts: ipyparallel reports the death itself
-        try:
-            os.kill(self.info[rank]["pid"], 0)
-            return True
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
+        from mlmkit.cluster.reaper import process_alive
 
-    def _wait(self, pending: dict, *, timeout_s: float, recover: bool = True) -> dict[int, Any]:
-        """Results of ``pending`` (rank -> AsyncResult), or a RankError after recovery."""
+        return process_alive(self.info[rank]["pid"])
+
+    def _wait(self, pending: dict, *, timeout_s: float) -> dict[int, Any]:
+        """Results of ``pending`` (rank -> AsyncResult), or an error raised promptly (module docstring)."""
         from ipyparallel.error import RemoteError
 
         deadline = time.monotonic() + timeout_s
         results, failures, dead = {}, {}, set()
         first_failure_at = None
-        while len(results) + len(failures) + len(dead) < len(pending):
-            now = time.monotonic()
+
+        def poll() -> None:
             for r, ar in pending.items():
                 if r in results or r in failures or r in dead:
                     continue
@@ -393,50 +520,103 @@ class Cluster:
                             failures[r] = (time.monotonic(), f"{type(err).__name__}: {err}")
                 elif not self._engine_alive(r):
                     dead.add(r)
-            if (failures or dead) and first_failure_at is None:
-                first_failure_at = now
-            if first_failure_at is not None and now - first_failure_at > self.grace_s:
-                break
-            if now > deadline:
-                break
-            time.sleep(0.005)
-        stuck = [r for r in pending if r not in results and r not in failures and r not in dead]
+
+        def unfinished() -> list[int]:
+            return [r for r in pending if r not in results and r not in failures and r not in dead]
+
+        try:
+            while unfinished():
+                now = time.monotonic()
+                poll()
+                if (failures or dead) and first_failure_at is None:
+                    first_failure_at = now
+                if first_failure_at is not None and now - first_failure_at > self.grace_s:
+                    break
+                if now > deadline:
+                    break
+                time.sleep(0.005)
+        except KeyboardInterrupt:
+            self._interrupt(unfinished(), poll, unfinished)
+            raise
+        stuck = unfinished()
         if not failures and not dead and not stuck:
             return {r: results[r] for r in pending}  # in the order asked (rank order by default)
-        if not recover:
-            r = min(failures, key=lambda k: failures[k][0]) if failures else (sorted(dead) or stuck)[0]
-            raise RankError(r, failures[r][1] if r in failures else "no answer")
-        replaced = self._recover(dead=sorted(dead), stuck=stuck)
-        dead |= set(replaced) - set(stuck)
-        note = f" (ranks {replaced} got new engines)" if replaced else ""
+        self._broken = True                          # every rank re-joins at the next call
         others = {r: tb for r, (_, tb) in failures.items()}
+        if not failures and not dead:                # nobody failed: the bound ran out
+            culprits, stacks = self._stop_stuck(stuck, poll, unfinished)
+            r = culprits[0]
+            where = "\n".join(f"--- rank {q} was at:\n{stacks.get(q) or '(no stack: engine on another host)'}"
+                              for q in culprits)
+            raise RankTimeout(r, f"ranks {culprits} did not finish within {timeout_s:g} s and were stopped (their "
+                                 f"engines are replaced at the next call).\n{where}", ranks=culprits, stacks=stacks)
+        if stuck:                                    # blocked on a failed peer and not released: stop them
+            self._kill(stuck)
+        note = f" (ranks {sorted(dead | set(stuck))} get new engines at the next call)" if (dead or stuck) else ""
         if dead:
+            self._doomed.update(dead)
             r = sorted(dead)[0]
-            raise EngineDied(r, f"the engine of rank {r} (pid {self._old_pid(r)}) died", others=others, note=note)
-        if failures:
-            r = _root_cause(failures)
-            others.pop(r, None)
-            raise RankError(r, failures[r][1], others=others, note=note)
-        raise RankTimeout(stuck[0], f"ranks {stuck} did not finish within {timeout_s:g} s", note=note)
+            raise EngineDied(r, f"the engine of rank {r} (pid {self.info[r]['pid']}) died", others=others, note=note)
+        r = _root_cause(failures)
+        others.pop(r, None)
+        raise RankError(r, failures[r][1], others=others, note=note)
 
-    def _old_pid(self, rank: int) -> int:
-        return self._dead_pids.get(rank, self.info[rank]["pid"])
+    def _interrupt(self, busy: list[int], poll, unfinished) -> None:
+        """Ctrl-C while waiting: SIGINT the busy engines (their Python code stops and aborts), then
+        kill those still busy after ``grace_s``. The process groups are rebuilt at the next call."""
+        self._broken = True
+        for r in busy:
+            if self._is_local(r):
+                try:
+                    os.kill(self.info[r]["pid"], signal.SIGINT)
+                except OSError:
+                    pass
+        end = time.monotonic() + self.grace_s
+        while unfinished() and time.monotonic() < end:
+            poll()
+            time.sleep(0.01)
+        still = unfinished()
+        if still:
+            self._kill(still)
 
-    def _recover(self, *, dead: list[int], stuck: list[int]) -> list[int]:
-        """Kill stuck engines, replace dead and killed ones, and re-join every rank on a new port."""
-        self._dead_pids = {}
-        time.sleep(0.2)  # let a dying engine's registration go before checking who is left
-        ids = set(self.client.ids)
-        vanished = {r for r in range(self.world_size) if self.engine_ids[r] not in ids or not self._engine_alive(r)}
-        replace = sorted(set(dead) | set(stuck) | vanished)
-        for r in replace:
-            self._dead_pids[r] = self.info[r]["pid"]
+    def _stop_stuck(self, stuck: list[int], poll, unfinished) -> tuple[list[int], dict[int, str]]:
+        """Kill the stuck ranks, sparing the ranks that only wait for them in communication."""
+        stacks = self._dump_stacks(stuck)
+        culprits = [r for r in stuck if not _blocked_in_communication(stacks.get(r, ""))] or stuck[:1]
+        self._kill(culprits)
+        end = time.monotonic() + max(1.0, self.grace_s)   # their peers error out once they are gone
+        while unfinished() and time.monotonic() < end:
+            poll()
+            time.sleep(0.01)
+        rest = unfinished()
+        if rest:                                           # still running: stuck too
+            self._kill(rest)
+            culprits = sorted(set(culprits) | set(rest))
+        return culprits, {r: stacks.get(r, "") for r in culprits}
+
+    def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
+        files = {r: self._stack_file(r) for r in ranks}
+        for r, f in files.items():
+            if f is not None:
+                try:
+                    open(f, "w").close()                   # the engine appends; start empty
+                    os.kill(self.info[r]["pid"], signal.SIGUSR1)
+                except OSError:
+                    pass
+        time.sleep(0.3)
+        out = {}
+        for r, f in files.items():
+            try:
+                out[r] = _task_thread(open(f).read()) if f else ""
+            except OSError:
+                out[r] = ""
+        return out
+
+    def _kill(self, ranks) -> None:
+        for r in ranks:
             if self._is_local(r):
                 _reap({self.info[r]["pid"], *self.info[r]["children"]}, wait_s=0.0)
-        if replace:
-            self._replace_engines(replace)
-        self._connect_all()
-        return replace
+            self._doomed.add(r)
 
     def _replace_engines(self, ranks: list[int]) -> None:
         if self.ipp_cluster is None:
@@ -458,6 +638,8 @@ class Cluster:
             self._all_pids.update([inf["pid"], *inf["children"]])
         self.view = self.client[self.engine_ids]
         self.view.block = False
+        if self._profile_dir:
+            write_pids(self._pids_file(), self.pids())      # the reaper follows replacements
         self._setup_ranks(ranks)
 
     # ================================================================== display
@@ -521,7 +703,8 @@ def _remote_text(err) -> str:
 
 
 _CONSEQUENCE_MARKERS = ("connection closed by peer", "connection reset", "broken pipe", "timed out",
-                        "gloo", "process group", "remote worker", "not initialized", "default process group")
+                        "gloo", "process group", "remote worker", "not initialized", "default process group",
+                        "nonetype' object has no attribute")
 
 
 def _consequence(tb: str) -> bool:
@@ -534,6 +717,37 @@ def _root_cause(failures: dict) -> int:
     causes = [r for r, (_, tb) in failures.items() if not _consequence(tb.splitlines()[-1] if tb else "")]
     pool = causes or list(failures)
     return min(pool, key=lambda r: (failures[r][0], r))
+
+
+def _task_thread(dump: str) -> str:
+    """From a faulthandler dump of every thread, the thread running the driver's call (the one whose
+    stack passes through :func:`mlmkit.cluster.engine.call`), or the whole dump if none does."""
+    blocks, cur = [], []
+    for line in dump.splitlines():
+        if line.startswith(("Thread 0x", "Current thread 0x")) and cur:
+            blocks.append(cur)
+            cur = []
+        cur.append(line)
+    if cur:
+        blocks.append(cur)
+    for b in blocks:
+        if any("mlmkit/cluster/engine.py" in ln and ln.rstrip().endswith(" in call") for ln in b):
+            return "\n".join(b)
+    return dump.strip()
+
+
+_COMM_FRAMES = ("torch/distributed/", "mlmkit/distributed/comm_group.py")
+_COMM_FUNCTIONS = ("_finish_recv", "_run_batch", "finalize", "barrier", "all_reduce", "all_gather", "reduce_scatter")
+
+
+def _blocked_in_communication(stack: str) -> bool:
+    """Whether the innermost frame of a faulthandler stack waits in communication (a collective, a
+    receive, a batch of sends and receives): such a rank waits for a peer rather than being stuck."""
+    frames = [ln.strip() for ln in stack.splitlines() if ln.strip().startswith("File ")]
+    if not frames:
+        return False
+    top = frames[0]
+    return any(f in top for f in _COMM_FRAMES) or any(top.endswith(f"in {fn}") for fn in _COMM_FUNCTIONS)
 
 
 def _children(pid: int) -> list[int]:

@@ -3,15 +3,23 @@
 Each engine's user namespace holds one :class:`EngineState` named ``mlmkit_rank`` (so ``%%px``
 cells can use it: ``mlmkit_rank.rank``, ``mlmkit_rank.groups``, ``mlmkit_rank.trainer``). The
 driver calls module-level functions of this file with that object as first argument through
-:func:`call`, which turns any failure into an *abort*: the rank drops its process groups at once,
-which closes its connections, so peers blocked in a collective with it fail within milliseconds
-instead of waiting for a timeout (SIGINT cannot interrupt a rank blocked in gloo).
+:func:`call`, which turns any failure into an *abort*: the rank abandons the step in progress of
+every trainer it holds (dropping its pending sends and receives: a pending ``Work`` keeps gloo's
+connections open) and drops its process groups, which closes its connections, so peers blocked in
+a collective or a receive with it fail within milliseconds instead of waiting for a timeout
+(SIGINT cannot interrupt a rank blocked in gloo). Released peers abort in turn, so a whole chain
+of waiting ranks is freed.
+
+For a driver that must say where a stuck rank is, each local engine dumps its Python stacks to a
+file on ``SIGUSR1`` (:mod:`faulthandler`).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import os
+import signal
 import socket
 import threading
 import time
@@ -51,13 +59,16 @@ class EngineState:
         self.local_rank = 0
         self.backend: Optional[str] = None
         self.timeout_s = 30.0
-        self.trainer = None
+        self.trainers: dict[str, Any] = {}    # session id -> Trainer
+        self.trainer = None                   # the newest session's trainer (for %px exploration)
         self.data: dict[str, Any] = {}    # free space for user code
         self._watchdog: Optional[threading.Thread] = None
+        self._stack_out = None
 
     # ---------------------------------------------------------------- setup
     def setup(self, *, rank: int, world_size: int, topology, local_rank: int, threads: int,
-              backend: Optional[str], timeout_s: float, driver_pid: Optional[int]) -> dict:
+              backend: Optional[str], timeout_s: float, driver_pid: Optional[int],
+              driver_ctime: Optional[float] = None, stack_file: Optional[str] = None) -> dict:
         import torch
 
         from mlmkit.distributed import default_backend, default_device
@@ -72,8 +83,12 @@ class EngineState:
         else:
             torch.set_num_threads(max(1, threads))
         if driver_pid and self._watchdog is None:
-            self._watchdog = threading.Thread(target=_watch_driver, args=(driver_pid,), daemon=True)
+            self._watchdog = threading.Thread(target=_watch_driver, args=(driver_pid, driver_ctime), daemon=True)
             self._watchdog.start()
+        if stack_file:
+            # Append mode: the driver truncates the file before asking for a fresh dump.
+            self._stack_out = open(stack_file, "a")
+            faulthandler.register(signal.SIGUSR1, file=self._stack_out, all_threads=True)
         return {"rank": rank, "device": str(self.device), "threads": torch.get_num_threads(), "backend": self.backend}
 
     def connect(self, *, master: str, port: int) -> None:
@@ -86,7 +101,7 @@ class EngineState:
 
         from mlmkit.distributed import ProcessGroups, init_distributed
 
-        self.abort()
+        self.abort(collect=False)   # after a failure the failed call already collected; healthy ranks need not
         init_distributed(rank=self.rank, world_size=self.world_size, init_method=f"tcp://{master}:{port}",
                          backend=self.backend, timeout_s=self.timeout_s)
         fresh = ProcessGroups.build(self.topology, device=self.device)
@@ -99,10 +114,17 @@ class EngineState:
                     old.pg = new.pg
         assert dist.is_initialized()
 
-    def abort(self) -> None:
-        """Drop every process group now (closes connections; peers blocked with us fail fast)."""
+    def abort(self, *, collect: bool = True) -> None:
+        """Abandon every trainer's step and drop every process group now (closes connections;
+        peers blocked with us fail fast). ``collect``: also run the cycle collector, in case a
+        reference cycle still holds a group (0.2 s with torch loaded)."""
         import torch.distributed as dist
 
+        for trainer in self.trainers.values():
+            try:
+                trainer.abandon_step()
+            except Exception:  # noqa: BLE001 - dropping references must not fail the abort
+                pass
         if self.groups is not None:
             for axis in ("tp", "dp", "pp", "embedding", "world"):
                 g = getattr(self.groups, axis)
@@ -113,22 +135,22 @@ class EngineState:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - a broken group may refuse a clean destroy
                 pass
-        gc.collect()
+        if collect:
+            gc.collect()
 
     def __repr__(self) -> str:
-        return f"EngineState(rank={self.rank}, device={self.device}, trainer={'yes' if self.trainer else 'no'})"
+        return f"EngineState(rank={self.rank}, device={self.device}, sessions={sorted(self.trainers)})"
 
 
-def _watch_driver(pid: int) -> None:
-    # An engine whose notebook kernel was killed abruptly exits by itself (no orphans).
+def _watch_driver(pid: int, create_time: Optional[float]) -> None:
+    # An engine whose notebook kernel was killed abruptly exits by itself (no orphans). A killed
+    # kernel that its parent has not reaped yet is a zombie: dead, although its pid exists.
+    from mlmkit.cluster.reaper import process_alive
+
     while True:
-        time.sleep(2.0)
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        time.sleep(1.0)
+        if not process_alive(pid, create_time):
             os._exit(0)
-        except PermissionError:
-            pass
 
 
 def call(state: EngineState, fn: Callable, args: tuple, kwargs: dict):
@@ -155,5 +177,6 @@ def host_address(_state: EngineState) -> str:
 
 
 def shutdown(state: EngineState) -> None:
+    state.trainers.clear()
     state.trainer = None
     state.abort()

@@ -6,77 +6,127 @@ A :class:`Session` builds a :class:`~mlmkit.train.trainer.Trainer` on every rank
 - :meth:`Session.step_action`: every pipeline rank whose next action can complete without waiting
   takes it (all TP ranks and dp replicas of that stage together, since they run in lockstep); a
   receive whose message has not been sent yet waits for a later call. The driver knows which
-  ranks can go from a :class:`~mlmkit.pipeline.ScheduleCursor`, so no engine ever blocks.
+  ranks can go from a :class:`~mlmkit.pipeline.ScheduleCursor` (or, with batched communication,
+  from the rounds of a :class:`~mlmkit.pipeline.batching.BatchCursor`), so no engine ever blocks.
 - :meth:`Session.step_microbatch`: actions until the oldest unfinished microbatch is done everywhere.
 - :meth:`Session.step`: the rest of the step and the optimizer update; returns the metrics.
 
 :meth:`Session.state` shows every rank's position, the activations it holds with their shapes
 and its memory so far; :meth:`Session.traces` gathers the traces of every rank.
 
-After a failure the session resets the step in progress on every rank (gradients dropped, the
-optimizer never stepped, so the weights are those of the last finished step). If an engine had to
-be replaced, every rank rebuilds its trainer from the config and, when the session has a
-``checkpoint_dir``, reloads the newest checkpoint (else training restarts from step 0).
+The session is always in a defined state; training never goes silently wrong:
+
+- **The last finished step is kept.** After every step each rank's state is saved (a checkpoint
+  of the session's own, in the cluster's private folder, replaced at every step; or into
+  ``checkpoint_dir`` with ``save_every_step=True``). ``keep_last_step=False`` saves nothing; then
+  a loss of state raises :class:`StateLost` instead of being repaired.
+- **A failed step is abandoned on every rank** before the next call: gradients and activations
+  dropped, the optimizer never stepped, so the weights are those of the last finished step. If a
+  rank failed while the optimizer was changing weights, every rank reloads the last finished step.
+- **An engine that died or was stopped** is replaced at the next call, and every rank reloads the
+  last finished step (never silently step 0).
+- **Ctrl-C** (a kernel interrupt) during a call lets the step in flight finish on every rank and
+  records it, then raises KeyboardInterrupt: the next step continues exactly. A second Ctrl-C
+  abandons the step instead (the engines are interrupted or, if blocked, replaced) and the next
+  call restores the last finished step.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import uuid
 from typing import Optional
 
 from mlmkit.cluster.cluster import Cluster, RankError
 from mlmkit.pipeline import ScheduleCursor, make_schedule
+from mlmkit.pipeline.batching import BatchCursor, plan_batches
 
-__all__ = ["Session"]
+__all__ = ["Session", "StateLost"]
+
+METRIC_COLUMNS = ["step", "loss", "lr", "grad_norm", "step_time", "tokens_per_s"]
+
+
+class StateLost(RuntimeError):
+    """Training state could not be recovered (no saved step); the session restarted from ``step``."""
+
+    def __init__(self, message: str, *, step: int):
+        self.step = step
+        super().__init__(message)
 
 
 # ------------------------------------------------------------------------- engine-side functions
-def _build(state, config_dict, checkpoint_dir):
+def _build(state, sid, config_dict, source):
     from mlmkit.train import TrainConfig
     from mlmkit.train.trainer import Trainer
 
+    old = state.trainers.pop(sid, None)
+    if old is not None:
+        old.abandon_step()
     cfg = TrainConfig.from_dict(config_dict)
-    state.trainer = Trainer(cfg, groups=state.groups)
-    if checkpoint_dir:
-        import os
-
+    trainer = Trainer(cfg, groups=state.groups)
+    if source:
         from mlmkit.train.checkpoint import load_checkpoint
 
-        if os.path.exists(os.path.join(checkpoint_dir, "latest")):
-            load_checkpoint(state.trainer, checkpoint_dir)
-    return state.trainer.step
+        load_checkpoint(trainer, source)
+    state.trainers[sid] = state.trainer = trainer
+    return {"step": trainer.step, "batch_p2p": trainer.executor.batch_p2p}
 
 
-def _begin(state):
-    state.trainer.begin_step()
+def _trainer(state, sid):
+    t = state.trainers.get(sid)
+    if t is None:
+        raise RuntimeError(f"this engine has no trainer for session {sid} (closed, or the engine was replaced)")
+    return t
 
 
-def _action(state):
-    a = state.trainer.executor.step_action()
-    return None if a is None else str(a)
+def _begin(state, sid):
+    _trainer(state, sid).begin_step()
 
 
-def _finish(state, save_dir):
-    t = state.trainer
+def _action(state, sid):
+    ex = _trainer(state, sid).executor
+    a = ex.step_action()
+    return None if a is None else ex.last_step
+
+
+def _finish(state, sid):
+    t = _trainer(state, sid)
     while not t.executor.done:
         t.executor.step_action()
-    row = t.finish_step()
-    if save_dir:
-        from mlmkit.train.checkpoint import save_checkpoint
-
-        save_checkpoint(t, save_dir)
-    return row
+    return t.finish_step()
 
 
-def _reset(state):
-    t = state.trainer
+def _snapshot(state, sid, directory):
+    from mlmkit.train.checkpoint import save_checkpoint
+
+    trainer = _trainer(state, sid)
+    with trainer.tracer.paused():        # housekeeping, not training traffic
+        save_checkpoint(trainer, directory, keep=1)
+
+
+def _abandon(state, sid):
+    t = state.trainers.get(sid)
+    if t is None:
+        return None
+    t.abandon_step()
+    return {"step": t.step, "updating": t.updating}
+
+
+def _close(state, sid):
+    t = state.trainers.pop(sid, None)
     if t is not None:
-        t.executor.index = len(t.executor.actions)
-        t.executor._reset()
-        t.optimizer.zero_grad()
+        t.abandon_step()
+    if state.trainer is t:
+        state.trainer = next(reversed(state.trainers.values()), None) if state.trainers else None
 
 
-def _state(state):
-    t = state.trainer
+def _state(state, sid):
+    t = _trainer(state, sid)
     ex = t.executor
     st = ex.state()
     mem = t.memory
@@ -91,76 +141,188 @@ def _state(state):
             "loss": st.loss}
 
 
-def _traces(state, clear):
-    out = state.trainer.traces()
+def _traces(state, sid, clear):
+    t = _trainer(state, sid)
+    out = t.traces()
     if clear:
-        state.trainer.clear_traces()
+        t.clear_traces()
     return out
+
+
+# ------------------------------------------------------------------------------------ Ctrl-C
+class _Interrupts:
+    """Defers SIGINT while the session talks to the engines (main thread only): the first Ctrl-C is
+    remembered and announced, a second one raises KeyboardInterrupt, but only while waiting for the
+    engines (never in the middle of the session's own bookkeeping)."""
+
+    def __init__(self):
+        self.hits = 0
+        self.waiting = False
+        self._depth = 0
+        self._old = None
+
+    def handler(self, signum, frame):
+        self.hits += 1
+        if self.hits == 1:
+            print("mlmkit: interrupt requested. The step in flight finishes on every rank and is recorded "
+                  "first; interrupt again to abandon it.", file=sys.stderr, flush=True)
+        elif self.waiting:
+            raise KeyboardInterrupt("mlmkit: the step in flight was abandoned")
+
+    def __enter__(self):
+        if self._depth == 0:
+            self.hits = 0
+            if threading.current_thread() is threading.main_thread():
+                self._old = signal.signal(signal.SIGINT, self.handler)
+        self._depth += 1
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self._depth -= 1
+        if self._depth == 0 and self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+            self._old = None
+            if self.hits and exc_type is None:
+                raise KeyboardInterrupt("mlmkit: interrupted after the step in flight finished; the session is "
+                                        "ready to continue")
+        return False
 
 
 # ------------------------------------------------------------------------------------ the session
 class Session:
-    """Step-by-step training on a running :class:`~mlmkit.cluster.Cluster` (see module docstring)."""
+    """Step-by-step training on a running :class:`~mlmkit.cluster.Cluster` (see module docstring).
 
-    def __init__(self, cluster: Cluster, config, *, checkpoint_dir: Optional[str] = None, save_every_step: bool = False):
+    Args:
+        cluster: the running cluster; its topology must be the config's.
+        config: the run.
+        checkpoint_dir: resume from the newest checkpoint there, if any.
+        save_every_step: also write a checkpoint into ``checkpoint_dir`` after every step (it then
+            serves as the kept last step).
+        keep_last_step: keep the last finished step recoverable (module docstring).
+    """
+
+    def __init__(self, cluster: Cluster, config, *, checkpoint_dir: Optional[str] = None, save_every_step: bool = False,
+                 keep_last_step: bool = True):
         if config.topology != cluster.topology:
             raise ValueError(f"the config asks for {config.topology!r} but the cluster runs {cluster.topology!r}")
+        if save_every_step and not checkpoint_dir:
+            raise ValueError("Session: save_every_step=True needs a checkpoint_dir to save into")
         self.cluster, self.config = cluster, config
-        self.checkpoint_dir, self.save_every_step = checkpoint_dir, save_every_step
+        self.id = uuid.uuid4().hex[:8]
+        self.checkpoint_dir, self.save_every_step, self.keep_last_step = checkpoint_dir, save_every_step, keep_last_step
         self.schedule = make_schedule(config.schedule, stages=config.pp, microbatches=config.microbatches,
                                       chunks=config.chunks, layers=config.model.layers)
-        self.cursor: Optional[ScheduleCursor] = None
+        self._snapshot_dir = self._make_snapshot_dir()
+        self.cursor = None
         self.history: list[dict] = []
         self.last_actions: dict[int, Optional[str]] = {}
+        self._interrupts = _Interrupts()
+        self._dirty = False
+        self.closed = False
         self._build()
 
+    # ------------------------------------------------------------------------- state keeping
+    def _make_snapshot_dir(self) -> Optional[str]:
+        if not self.keep_last_step:
+            return None
+        if self.save_every_step:
+            return self.checkpoint_dir
+        base = self.cluster.private_dir
+        local = all(self.cluster._is_local(r) for r in range(self.cluster.world_size))
+        if base is None or not local:
+            # Engines on other hosts must reach it: a private folder in the (shared) home.
+            base = os.path.join(os.path.expanduser("~"), ".mlmkit", "sessions")
+            os.makedirs(base, mode=0o700, exist_ok=True)
+        return tempfile.mkdtemp(prefix=f"session-{self.id}-", dir=base)
+
+    def _source(self) -> Optional[str]:
+        """The newest saved state: the session's kept step, else the user's checkpoint_dir."""
+        for d in (self._snapshot_dir, self.checkpoint_dir):
+            if d and os.path.exists(os.path.join(d, "latest")):
+                return d
+        return None
+
     def _build(self) -> None:
+        """(Re)build the trainers on every rank from the newest saved state."""
         self._generation = self.cluster.generation
-        steps = self.cluster.run(_build, self.config.to_dict(), self.checkpoint_dir)
+        out = self.cluster.run(_build, self.id, self.config.to_dict(), self._source())
         self._generation = self.cluster.generation
-        self.step_index = steps[0]
+        self.step_index = out[0]["step"]
+        self.batch_p2p = out[0]["batch_p2p"]
+        self.history = [h for h in self.history if h["step"] < self.step_index]
         self.cursor = None
+        self._dirty = False
 
-    def _guarded(self, fn, *args, **kwargs):
-        self.cluster.ensure_healthy()
+    def _restore(self, why: str) -> None:
+        lost = self._source() is None and self.step_index > 0
+        before = self.step_index
+        self._build()
+        if lost:
+            raise StateLost(f"{why}; this session keeps no saved step (keep_last_step=False and no checkpoint), "
+                            f"so the trainers were rebuilt at step 0: the state of step {before} is lost",
+                            step=self.step_index)
+
+    def _recover_if_needed(self) -> None:
+        """Before any call: repair the cluster, then bring every rank back to the last finished step."""
+        if self.closed:
+            raise RuntimeError("this session is closed; start a new one with cluster.session(config)")
+        replaced = self.cluster.ensure_healthy()
         if self.cluster.generation != self._generation:
-            self._build()            # an engine was replaced: it has no trainer, rebuild everywhere
-            if fn is _action:        # the step in progress is gone with it
-                raise RuntimeError("an engine was replaced since the last call; the step restarts: call again")
-        try:
-            return self.cluster.run(fn, *args, **kwargs)
-        except RankError:
+            self._restore(f"engines were replaced (ranks {replaced or 'earlier'})")
+            return
+        if self._dirty:
+            flags = self.cluster.run(_abandon, self.id)
+            torn = [r for r, f in flags.items() if f is None or f["updating"]]
+            steps = {f["step"] for f in flags.values() if f is not None}
             self.cursor = None
-            if self.cluster.generation != self._generation:
-                self._build()
-            else:
-                self.cluster.run(_reset)
-            raise
+            self._dirty = False
+            if torn or steps != {self.step_index}:
+                self._restore(f"ranks {torn} failed while the optimizer was updating the weights")
 
+    def _call(self, fn, *args, ranks=None):
+        self._recover_if_needed()
+        self._interrupts.waiting = True
+        try:
+            return self.cluster.run(fn, self.id, *args, ranks=ranks)
+        except (RankError, KeyboardInterrupt):
+            self._dirty = True
+            self.cursor = None
+            raise
+        finally:
+            self._interrupts.waiting = False
+
+    # ------------------------------------------------------------------------- stepping
     def _ranks_of_stage(self, pp_rank: int) -> list[int]:
         topo = self.cluster.topology
         return [r for r in range(topo.world_size) if topo.coords(r).pp == pp_rank]
 
-    # ------------------------------------------------------------------------- stepping
     def _ensure_begun(self) -> None:
         if self.cursor is None:
-            self._guarded(_begin)
-            self.cursor = ScheduleCursor(self.schedule)
+            self._call(_begin)
+            self.cursor = BatchCursor(plan_batches(self.schedule)) if self.batch_p2p else ScheduleCursor(self.schedule)
 
     def step_action(self) -> dict:
-        """Every pipeline rank that can go takes its next action.
+        """Every pipeline rank that can go takes its next action (with batched communication: its
+        next step, a compute action or a batch of sends and receives).
 
         Returns ``{rank: action taken}`` (``None`` for ranks that waited); :meth:`state` shows more.
         """
+        with self._interrupts:
+            return self._step_action()
+
+    def _step_action(self) -> dict:
         self._ensure_begun()
         ready = self.cursor.runnable()
         if not ready:
             return {r: None for r in range(self.cluster.world_size)}
         ranks = [r for p in ready for r in self._ranks_of_stage(p)]
-        done = self._guarded(_action, ranks=ranks)
+        done = self._call(_action, ranks=ranks)
         self.last_actions = {r: done.get(r) for r in range(self.cluster.world_size)}
-        for p in ready:
-            self.cursor.advance(p)
+        if isinstance(self.cursor, BatchCursor):
+            self.cursor.advance_round()
+        else:
+            for p in ready:
+                self.cursor.advance(p)
         return dict(self.last_actions)
 
     @property
@@ -170,54 +332,84 @@ class Session:
 
     def step_microbatch(self):
         """Actions until the oldest unfinished microbatch has no action left on any rank."""
-        self._ensure_begun()
-        left = [a.microbatch for r in range(self.schedule.stages)
-                for a in self.schedule.actions[r][self.cursor.index[r]:]]
-        if not left:
-            return self.state()
-        target = min(left)
-        while any(a.microbatch == target for r in range(self.schedule.stages)
-                  for a in self.schedule.actions[r][self.cursor.index[r]:]):
-            self.step_action()
+        with self._interrupts as interrupts:
+            self._ensure_begun()
+            left = [a.microbatch for r in range(self.schedule.stages) for a in self.cursor.remaining(r)]
+            if not left:
+                return self.state()
+            target = min(left)
+            while any(a.microbatch == target for r in range(self.schedule.stages) for a in self.cursor.remaining(r)):
+                self._step_action()
+                if interrupts.hits:
+                    break
         return self.state()
 
     def step(self) -> dict:
         """Finish the current step (or run a whole one) and update the weights. Returns its metrics."""
+        with self._interrupts:
+            return self._step()
+
+    def _step(self) -> dict:
         self._ensure_begun()
-        save = self.checkpoint_dir if self.save_every_step else None
-        rows = self._guarded(_finish, save)
-        self.cursor = None
+        rows = self._call(_finish)
         row = rows[0]
+        self.cursor = None
         self.history.append(row)
+        self.step_index = row["step"] + 1
+        if self._snapshot_dir:
+            self._call(_snapshot, self._snapshot_dir)
         return row
 
     def train(self, steps: int, *, progress: bool = True):
-        """``steps`` whole steps; returns the metrics DataFrame (tqdm progress bar in notebooks)."""
+        """``steps`` whole steps; returns the metrics DataFrame (tqdm progress bar in notebooks).
+
+        Ctrl-C stops after the step in flight (recorded); a second Ctrl-C abandons it."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"Session.train: steps={steps!r} must be an integer >= 0")
         bar = None
         if progress:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=steps, desc="train", unit="step")
-        for _ in range(steps):
-            row = self.step()
+        try:
+            with self._interrupts as interrupts:
+                for _ in range(steps):
+                    row = self._step()
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(loss=f"{row['loss']:.4f}")
+                    if interrupts.hits:
+                        break
+        finally:
             if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{row['loss']:.4f}")
-        if bar is not None:
-            bar.close()
+                bar.close()
         return self.metrics()
 
     def reset_step(self) -> None:
         """Abandon the step in progress on every rank (no weight update)."""
-        self.cluster.run(_reset)
-        self.cursor = None
+        with self._interrupts:
+            self._dirty = True
+            self._recover_if_needed()
+            self.cursor = None
+
+    def close(self) -> None:
+        """Drop this session's trainers on the engines and its kept step."""
+        if self.closed:
+            return
+        try:
+            if self.cluster.running:
+                self.cluster.run(_close, self.id)
+        finally:
+            self.closed = True
+            if self._snapshot_dir and self._snapshot_dir != self.checkpoint_dir:
+                shutil.rmtree(self._snapshot_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------------- reading
     def state(self):
         """One row per rank: step, position in the schedule, next action, held activations, bytes."""
         import pandas as pd
 
-        rows = self.cluster.run(_state)
+        rows = self._call(_state)
         df = pd.DataFrame([rows[r] for r in sorted(rows)]).set_index("rank")
         if self.last_actions:
             df.insert(5, "last_action", [self.last_actions.get(r) for r in df.index])
@@ -228,15 +420,16 @@ class Session:
     def metrics(self):
         import pandas as pd
 
-        return pd.DataFrame(self.history, columns=["step", "loss", "lr", "grad_norm", "step_time", "tokens_per_s"])
+        return pd.DataFrame(self.history, columns=METRIC_COLUMNS)
 
     def traces(self, *, clear: bool = False) -> dict:
         """Every rank's traces merged: ``events``, ``comm``, ``memory`` DataFrames and ``t0``."""
         from mlmkit.trace.export import merge_traces
 
-        per_rank = self.cluster.run(_traces, clear)
+        per_rank = self._call(_traces, clear)
         return merge_traces(per_rank[r] for r in sorted(per_rank))
 
     def __repr__(self) -> str:
         pos = repr(self.cursor) if self.cursor else "between steps"
-        return f"Session({self.config.topology!r}, schedule={self.config.schedule}, steps done={len(self.history)}, {pos})"
+        return (f"Session({self.config.topology!r}, schedule={self.config.schedule}, step={self.step_index}, "
+                f"steps recorded={len(self.history)}, {pos})")

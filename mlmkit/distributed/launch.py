@@ -107,7 +107,7 @@ def _context():
         method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
         _CTX = mp.get_context(method)
         if method == "forkserver":
-            _CTX.set_forkserver_preload(["torch", "torch.distributed", "mlmkit.distributed.launch"])
+            _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "mlmkit.distributed.launch"])
     return _CTX
 
 

@@ -50,6 +50,7 @@ def init_distributed(*, rank: int, world_size: int, init_method: str, backend: O
     backend = backend or default_backend()
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend={backend!r}: expected 'gloo' or 'nccl'")
+    _import_group_pinning_modules()
     if backend == "nccl":
         torch.cuda.set_device(default_device(int(os.environ.get("LOCAL_RANK", rank))))
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -66,6 +67,14 @@ def init_distributed(*, rank: int, world_size: int, init_method: str, backend: O
     store = rendezvous_store(host=host, port=port, rank=rank, world_size=world_size, timeout_s=timeout_s)
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     return backend
+
+
+def _import_group_pinning_modules() -> None:
+    # torch.optim imports torch._dynamo on first use, which imports FSDP2's modules; that import
+    # takes references (from C++) to the process group that exists at that moment, and a group so
+    # pinned never closes its connections, even when destroyed. Then a failed rank cannot release
+    # peers blocked on it. Imported before any group exists, nothing is pinned.
+    import torch._dynamo  # noqa: F401
 
 
 def rendezvous_store(*, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> dist.TCPStore:

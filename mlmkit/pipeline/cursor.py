@@ -39,6 +39,10 @@ class ScheduleCursor:
             return self._sent.get(pair, 0) > self._received.get(pair, 0)
         return True
 
+    def remaining(self, rank: int) -> list[Action]:
+        """The actions ``rank`` has not taken yet."""
+        return list(self.schedule.actions[rank][self.index[rank]:])
+
     def runnable(self) -> list[int]:
         """Ranks whose next action completes without waiting for anyone."""
         return [r for r in range(self.schedule.stages) if self.can_step(r)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Callable
 
@@ -61,6 +62,15 @@ class Tracer:
     def clear(self) -> None:
         self.comm.clear()
         self.events.clear()
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Record nothing inside the block (housekeeping that is not training, e.g. a snapshot)."""
+        was, self.enabled = self.enabled, False
+        try:
+            yield self
+        finally:
+            self.enabled = was
 
     def comm_frame(self):
         import pandas as pd

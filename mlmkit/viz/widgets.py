@@ -81,7 +81,8 @@ class ScheduleExplorer:
         self.summary.value = (
             f"<p><b>{name}</b>, p={sched.stages}, m={sched.microbatches}, v={sched.chunks}</p>"
             f"<p>step time <b>{r.step_time:.3g}</b><br>bubble <b>{r.bubble_fraction:.1%}</b> of the step"
-            f" ({r.bubble_ratio:.1%} of the ideal time)<br>peak in-flight microbatches: {peaks}</p>")
+            f" ({r.bubble_ratio:.1%} of the ideal time)<br>peak in-flight microbatches: {peaks}</p>"
+            + "".join(f"<p><i>note: {html.escape(n)}</i></p>" for n in sched.notes))
         self.figure = timeline_figure(r.timeline, title=f"{name}: simulated")
         _show(self.output, self.figure)
 

@@ -1,0 +1,211 @@
+"""Fault injection on a real 4-rank cluster (tp=2 x pp=2): a rank raising at every action index of a
+step, an engine killed mid-step, a stuck rank, Ctrl-C during training. After each fault the right
+rank is named within the bound, no healthy engine is replaced, and the next step's loss equals an
+uninterrupted run's (a second session, stepped side by side on the same engines)."""
+
+import glob
+import os
+import signal
+import tempfile
+import threading
+import time
+
+import pytest
+
+from mlmkit import Topology
+from mlmkit.cluster import Cluster, EngineDied, RankError, RankTimeout
+from mlmkit.cluster.cluster import alive
+from mlmkit.model import GPTConfig
+from mlmkit.pipeline import make_schedule
+from mlmkit.train import TrainConfig
+
+CFG = TrainConfig(model=GPTConfig(vocab_size=256, seq_len=16, hidden=32, heads=4, layers=4), tp=2, pp=2,
+                  micro_batch_size=2, global_batch_size=8, max_steps=200)
+TIMEOUT_S = 8.0           # the cluster's bound on every call (a step takes ~0.2 s)
+REPORT_S = 5.0            # a raising or dying rank is reported within this
+
+
+REF_STEPS = 48
+
+
+class Harness:
+    """A session with faults, and the losses of an uninterrupted run on the same engines."""
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+        reference = cluster.session(CFG, keep_last_step=False)
+        self.ref_losses = list(reference.train(REF_STEPS, progress=False).loss)
+        reference.close()
+        self.session = cluster.session(CFG)
+
+    def ref_loss(self, step: int) -> float:
+        assert step < REF_STEPS, "raise REF_STEPS: the faulty session went further than the reference"
+        return self.ref_losses[step]
+
+    def engine_pids(self) -> list[int]:
+        return [inf["pid"] for inf in self.cluster.info]
+
+    def check_next_step(self) -> dict:
+        row = self.session.step()
+        want = self.ref_loss(row["step"])
+        assert abs(row["loss"] - want) <= 1e-6 * abs(want), (row, want)
+        assert row["step"] == len(self.session.history) - 1
+        return row
+
+
+@pytest.fixture(scope="module")
+def harness():
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "mlmkit-ipp-*")))
+    cluster = Cluster(topology=Topology(tp=2, pp=2), timeout_s=TIMEOUT_S, grace_s=2.0)
+    cluster.start()
+    private = cluster.private_dir
+    h = Harness(cluster)
+    h.check_next_step()
+    yield h
+    pids = cluster.pids()
+    cluster.shutdown()
+    assert alive(pids) == []
+    assert not os.path.exists(private)
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "mlmkit-ipp-*"))) <= before
+
+
+# ------------------------------------------------------------------------------ injections (engine side)
+def _inject(state, sid, point, kind):
+    """Make this rank fail once at ``point``: an action index of its schedule, "finalize" or
+    "optimizer". ``kind``: "raise", "kill" (SIGKILL itself), "hang" (sleep far past the bound),
+    "slow" (sleep 1.5 s, interruptible)."""
+    import os
+    import signal
+    import time
+
+    trainer = state.trainers[sid]
+    ex = trainer.executor
+
+    def fire():
+        if kind == "raise":
+            raise RuntimeError(f"injected failure at {point}")
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(600 if kind == "hang" else 1.5)
+
+    def once(obj, name, when=lambda: True):
+        orig = getattr(obj, name)
+
+        def wrapped(*a, **k):
+            if when():
+                setattr(obj, name, orig)
+                fire()
+            return orig(*a, **k)
+
+        setattr(obj, name, wrapped)
+
+    if point == "finalize":
+        once(ex, "finalize")
+    elif point == "optimizer":
+        once(trainer.optimizer, "step")
+    else:
+        once(ex, "step_action", lambda: ex.index == point)
+
+
+def _points(rank):
+    pp = CFG.topology.coords(rank).pp
+    n = len(make_schedule(CFG.schedule, stages=CFG.pp, microbatches=CFG.microbatches).actions[pp])
+    return list(range(n)) + ["finalize", "optimizer"]
+
+
+# One rank of each pipeline stage (a tp-rank-1 and a tp-rank-0), every action index of the step and
+# the two phases after it: every place a step can fail.
+SWEEP = [(rank, point) for rank in (1, 2) for point in _points(rank)]
+
+
+def test_rank_raising_at_every_action_index(harness):
+    cluster, session = harness.cluster, harness.session
+    pids, generation = harness.engine_pids(), cluster.generation
+    slowest = 0.0
+    for rank, point in SWEEP:
+        cluster.run(_inject, session.id, point, "raise", ranks=[rank])
+        t0 = time.monotonic()
+        with pytest.raises(RankError) as info:
+            session.step()
+        elapsed = time.monotonic() - t0
+        slowest = max(slowest, elapsed)
+        assert type(info.value) is RankError and info.value.rank == rank, (rank, point, info.value)
+        assert f"injected failure at {point}" in info.value.remote_traceback
+        assert elapsed < REPORT_S, (rank, point, elapsed)
+        harness.check_next_step()            # weights of the last finished step were intact
+    assert harness.engine_pids() == pids and cluster.generation == generation   # no engine replaced
+    print(f"{len(SWEEP)} injected failures, slowest report {slowest:.2f} s")
+
+
+def test_engine_killed_mid_step(harness):
+    cluster, session = harness.cluster, harness.session
+    pids = harness.engine_pids()
+    cluster.run(_inject, session.id, 5, "kill", ranks=[2])
+    t0 = time.monotonic()
+    with pytest.raises(EngineDied) as info:
+        session.step()
+    assert time.monotonic() - t0 < REPORT_S
+    assert info.value.rank == 2 and alive([pids[2]]) == []
+    harness.check_next_step()                # rank 2 replaced, the last finished step reloaded
+    now = harness.engine_pids()
+    assert now[2] != pids[2] and [now[r] for r in (0, 1, 3)] == [pids[r] for r in (0, 1, 3)]
+
+
+def test_engine_killed_between_cells(harness):
+    cluster = harness.cluster
+    pids = harness.engine_pids()
+    os.kill(pids[3], signal.SIGKILL)
+    time.sleep(0.5)
+    harness.check_next_step()                # never silently back to step 0
+    now = harness.engine_pids()
+    assert now[3] != pids[3] and now[:3] == pids[:3]
+
+
+def test_stuck_rank_is_named_with_its_stack(harness):
+    cluster, session = harness.cluster, harness.session
+    pids = harness.engine_pids()
+    cluster.run(_inject, session.id, 2, "hang", ranks=[1])
+    t0 = time.monotonic()
+    with pytest.raises(RankTimeout) as info:
+        session.step()
+    elapsed = time.monotonic() - t0
+    assert TIMEOUT_S <= elapsed < TIMEOUT_S + 3.0, elapsed          # a small overrun
+    err = info.value
+    assert err.ranks == [1] and "did not finish" in str(err) and "raised" not in str(err).split("\n")[0]
+    assert "in fire" in err.stacks[1] and "sleep" not in err.stacks.get(0, "")   # where rank 1 was
+    assert "in fire" in str(err)
+    harness.check_next_step()
+    now = harness.engine_pids()
+    assert now[1] != pids[1] and [now[r] for r in (0, 2, 3)] == [pids[r] for r in (0, 2, 3)]
+
+
+def _interrupt_later(delays):
+    def send():
+        for d in delays:
+            time.sleep(d)
+            os.kill(os.getpid(), signal.SIGINT)
+    threading.Thread(target=send, daemon=True).start()
+
+
+def test_ctrl_c_during_train_finishes_the_step_in_flight(harness):
+    session = harness.session
+    done = len(session.history)
+    for rank in (0, 3):                                       # slow steps, so the interrupt lands mid-step
+        harness.cluster.run(_inject, session.id, 0, "slow", ranks=[rank])
+    _interrupt_later([0.4])
+    with pytest.raises(KeyboardInterrupt):
+        session.train(50, progress=False)
+    assert len(session.history) == done + 1                    # the step in flight finished and was recorded
+    assert session.cursor is None
+    harness.check_next_step()                                  # continues exactly: nothing applied twice
+
+
+def test_second_ctrl_c_abandons_the_step(harness):
+    session, cluster = harness.session, harness.cluster
+    done = len(session.history)
+    cluster.run(_inject, session.id, 1, "slow", ranks=[3])
+    _interrupt_later([0.4, 0.2])
+    with pytest.raises(KeyboardInterrupt):
+        session.train(50, progress=False)
+    assert len(session.history) == done                        # abandoned, not recorded
+    harness.check_next_step()                                  # the last finished step was restored
