@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import stat
 import time
 
@@ -58,17 +59,22 @@ def test_ranks_display_and_run(cluster):
     assert view.pull("answer", block=True) == [0, 100, 200, 300]
 
 
-def test_stepping_action_by_action_equals_whole_steps(cluster):
-    stepped = cluster.session(CFG)
-    losses_stepped, seen = [], set()
+@pytest.mark.parametrize("batch_p2p", [False, True], ids=["tagged", "batched"])
+def test_stepping_action_by_action_equals_whole_steps(cluster, batch_p2p):
+    # Batched: the lockstep rounds of the batch plan (a batch and its peers' counterparts together).
+    stepped = cluster.session(CFG.replace(batch_p2p=batch_p2p))
+    losses_stepped, seen, batches = [], set(), 0
     for _ in range(2):
         while not stepped.step_done:
             done = stepped.step_action()
-            seen.update(a.split("(")[0] for a in done.values() if a)
+            for a in done.values():
+                seen.update(re.findall(r"(SEND_ACT|RECV_ACT|SEND_GRAD|RECV_GRAD|F|B)\(", a or ""))
+                batches += " + " in (a or "")
         state = stepped.state()
         assert set(state.next_action.dropna()) == set()
         losses_stepped.append(stepped.step()["loss"])
     assert {"F", "B", "SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD"} <= seen
+    assert (batches > 0) == batch_p2p          # batched: a send and a receive posted together
     whole = cluster.session(CFG)
     losses_whole = [whole.step()["loss"] for _ in range(2)]
     assert losses_stepped == losses_whole

@@ -5,6 +5,7 @@ uninterrupted run's (a second session, stepped side by side on the same engines)
 
 import glob
 import os
+import random
 import signal
 import tempfile
 import threading
@@ -13,7 +14,7 @@ import time
 import pytest
 
 from mlmkit import Topology
-from mlmkit.cluster import Cluster, EngineDied, RankError, RankTimeout
+from mlmkit.cluster import Cluster, EngineDied, RankError, RankTimeout, StateLost
 from mlmkit.cluster.cluster import alive
 from mlmkit.model import GPTConfig
 from mlmkit.pipeline import make_schedule
@@ -25,7 +26,7 @@ TIMEOUT_S = 8.0           # the cluster's bound on every call (a step takes ~0.2
 REPORT_S = 5.0            # a raising or dying rank is reported within this
 
 
-REF_STEPS = 48
+REF_STEPS = 56
 
 
 class Harness:
@@ -114,8 +115,9 @@ def _points(rank):
 
 
 # One rank of each pipeline stage (a tp-rank-1 and a tp-rank-0), every action index of the step and
-# the two phases after it: every place a step can fail.
+# the two phases after it: every place a step can fail; and random points of the other two ranks.
 SWEEP = [(rank, point) for rank in (1, 2) for point in _points(rank)]
+SWEEP += [(rank, random.Random(7 + k).choice(_points(rank))) for k, rank in enumerate((0, 3, 0, 3, 0, 3))]
 
 
 def test_rank_raising_at_every_action_index(harness):
@@ -209,3 +211,19 @@ def test_second_ctrl_c_abandons_the_step(harness):
         session.train(50, progress=False)
     assert len(session.history) == done                        # abandoned, not recorded
     harness.check_next_step()                                  # the last finished step was restored
+
+
+def test_state_lost_is_said_never_silent(harness):
+    # A session that keeps no step: an engine's death cannot be repaired, and the session says so.
+    cluster = harness.cluster
+    bare = cluster.session(CFG, keep_last_step=False)
+    bare.step()
+    bare.step()
+    os.kill(cluster.info[0]["pid"], signal.SIGKILL)
+    time.sleep(0.5)
+    with pytest.raises(StateLost, match=r"the state of step 2 is lost") as info:
+        bare.step()
+    assert info.value.step == 0 and bare.step_index == 0 and bare.history == []
+    assert abs(bare.step()["loss"] - harness.ref_loss(0)) <= 1e-6 * harness.ref_loss(0)   # a clean restart
+    bare.close()
+    harness.check_next_step()                # the other session recovered its own last step

@@ -153,16 +153,52 @@ def _watch_driver(pid: int, create_time: Optional[float]) -> None:
             os._exit(0)
 
 
+class _InterruptOnlyInside:
+    """SIGINT (the driver's Ctrl-C, forwarded) raises KeyboardInterrupt only while ``fn`` runs.
+
+    A rank blocked in gloo's C code runs the Python handler only once the call returns; arriving
+    then, during the abort or after the task, it must not cut the abort short or hit the next task.
+    """
+
+    def __init__(self):
+        self.inside = False
+
+    def __call__(self, signum, frame):
+        if self.inside:
+            raise KeyboardInterrupt("interrupted by the driver")
+
+    def __enter__(self):
+        self.inside = True
+        try:
+            self._old = signal.signal(signal.SIGINT, self)
+        except ValueError:            # not the main thread: leave signals alone
+            self._old = None
+        return self
+
+    def __exit__(self, *exc):
+        self.inside = False
+        return False
+
+    def restore(self) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+
+
 def call(state: EngineState, fn: Callable, args: tuple, kwargs: dict):
     """Run ``fn(state, *args, **kwargs)``; on failure abort the groups and raise :class:`RemoteFailure`."""
+    guard = _InterruptOnlyInside()
     try:
-        return fn(state, *args, **kwargs)
-    except BaseException:  # noqa: BLE001 - every failure is reported with its rank
-        tb = traceback.format_exc()
-    # Outside the except block: the failed frames (which may hold the process group) are gone,
-    # so dropping the groups really closes the connections.
-    state.abort()
-    raise RemoteFailure(state.rank if state.rank is not None else -1, tb)
+        try:
+            with guard:
+                return fn(state, *args, **kwargs)
+        except BaseException:  # noqa: BLE001 - every failure is reported with its rank
+            tb = traceback.format_exc()
+        # Outside the except block: the failed frames (which may hold the process group) are gone,
+        # so dropping the groups really closes the connections.
+        state.abort()
+        raise RemoteFailure(state.rank if state.rank is not None else -1, tb)
+    finally:
+        guard.restore()
 
 
 # --------------------------------------------------------------------------- engine-side helpers

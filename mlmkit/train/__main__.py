@@ -27,6 +27,8 @@ def _parse(argv):
     p.add_argument("--zero1", action="store_true", default=None)
     p.add_argument("--sequence-parallel", action="store_true", default=None)
     p.add_argument("--recompute", action="store_true", default=None)
+    p.add_argument("--batch-p2p", action=argparse.BooleanOptionalAction, default=None,
+                   help="pipeline sends/receives as planned batches without tags (default: on with NCCL)")
     p.add_argument("--steps", type=int, help="steps to run now (default: up to max_steps)")
     p.add_argument("--save-dir", help="write a checkpoint here at the end (and every --save-every steps)")
     p.add_argument("--save-every", type=int, default=0)
@@ -43,7 +45,8 @@ def build_config(args) -> TrainConfig:
     cfg = TrainConfig.from_file(args.config) if args.config else demo_config()
     overrides = {}
     for field in ("tp", "pp", "dp", "chunks", "micro_batch_size", "global_batch_size", "max_steps", "warmup_steps",
-                  "lr", "min_lr", "grad_clip", "weight_decay", "schedule", "zero1", "sequence_parallel", "recompute"):
+                  "lr", "min_lr", "grad_clip", "weight_decay", "schedule", "zero1", "sequence_parallel", "recompute",
+                  "batch_p2p"):
         value = getattr(args, field)
         if value is not None:
             overrides[field] = value
