@@ -6,9 +6,17 @@ import pytest
 import torch
 
 from mlmkit.distributed import run_ranks
-from mlmkit.estimate import activation_bytes_per_layer, bytes_per_parameter, estimate_comm, estimate_memory
+from mlmkit.estimate import (
+    activation_bytes_per_layer,
+    bytes_per_parameter,
+    estimate_comm,
+    estimate_memory,
+    estimate_train_comm,
+    estimate_train_memory,
+)
 from mlmkit.estimate.compare import compare_comm, compare_memory
 from mlmkit.model import GPTConfig
+from mlmkit.model.config import llama_config
 from mlmkit.trace.export import merge_traces, to_chrome_trace
 from mlmkit.trace.memory import MemoryTracker
 from mlmkit.train import TrainConfig
@@ -17,15 +25,26 @@ from mlmkit.train.trainer import traced_step
 MODEL = GPTConfig(vocab_size=256, seq_len=16, hidden=32, heads=4, layers=4)
 
 
+LLAMA = llama_config(seq_len=16, hidden=32, heads=4, kv_heads=1, layers=4, ffn_hidden=64)
 VARIANTS = {
     "plain": {},
     "sp+zero1+recompute": {"sequence_parallel": True, "zero1": True, "recompute": True},
+    # Llama blocks, key/value heads replicated (tp=2 > kv_heads=1), bf16 with a bf16 gradient reduction,
+    # selective recomputation, SP, ZeRO-1 (parameters gathered in bf16).
+    "llama+bf16+sp+zero1+selective": {"model": LLAMA, "precision": "bf16", "grad_reduce": "bf16",
+                                      "sequence_parallel": True, "zero1": True, "recompute": "selective"},
+    # the eager attention path with dropout (masks from mlmkit's streams), fp32, unfused SwiGLU, full recompute
+    "llama+eager-dropout+full": {"model": llama_config(seq_len=16, hidden=32, heads=4, kv_heads=2, layers=4,
+                                                       ffn_hidden=64, dropout=0.1, gate_up_fused=False),
+                                 "recompute": "full"},
 }
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def traced(request):
-    cfg = TrainConfig(model=MODEL, tp=2, pp=2, dp=2, micro_batch_size=2, global_batch_size=16, **VARIANTS[request.param])
+    options = dict(VARIANTS[request.param])
+    cfg = TrainConfig(model=options.pop("model", MODEL), tp=2, pp=2, dp=2, micro_batch_size=2, global_batch_size=16,
+                      **options)
     traces = merge_traces(run_ranks(traced_step, world_size=8, args=(cfg.to_dict(),), timeout_s=300))
     return cfg, traces
 
@@ -37,22 +56,28 @@ def _options(cfg):
 
 def test_measured_bytes_per_axis_equal_estimate(traced):
     cfg, traces = traced
-    est = estimate_comm(cfg.model, cfg.topology, recompute=cfg.recompute, **_options(cfg))
+    est = estimate_train_comm(cfg)
     table = compare_comm(traces["comm"], est)
     assert set(table.kind) == {"tp", "pp", "dp", "embedding", "world"}
     mismatched = table[table.measured != table.estimated]
     assert mismatched.empty, mismatched
-    assert (est[["tp", "pp", "dp", "embedding"]] > 0).all().all()  # every axis really carried data
+    axes = ["tp", "pp", "dp"] + (["embedding"] if cfg.model.tie_embeddings else [])
+    assert (est[axes] > 0).all().all()                    # every axis really carried data
+    if not cfg.model.tie_embeddings:
+        assert (est["embedding"] == 0).all()              # untied: nothing to sum between first and last stage
 
 
 def test_measured_memory_against_estimate(traced):
     cfg, traces = traced
-    est = estimate_memory(cfg.model, cfg.topology, recompute=cfg.recompute, **_options(cfg))
+    est = estimate_train_memory(cfg)
     table = compare_memory(traces["memory"], est)
     exact = table[table.kind != "activations"]
     assert (exact.measured == exact.estimated).all(), exact
     acts = table[table.kind == "activations"]
     assert ((acts.ratio - 1).abs() <= 0.10).all(), acts
+    # The same as the lower-level call with every option spelled out.
+    assert est.equals(estimate_memory(cfg.model, cfg.topology, recompute=cfg.recompute, precision=cfg.precision,
+                                      **_options(cfg)))
 
 
 def test_chrome_trace_holds_every_rank(traced, tmp_path):
@@ -86,6 +111,12 @@ def test_korthikanti_formulas_gpt3_175b():
     assert activation_bytes_per_layer(t=t, sequence_parallel=True, recompute=True, **kw) == pytest.approx(2 * sbh / t)
     # Table 2 of the paper, in numbers: tensor + sequence parallelism keeps ~342 MiB per layer.
     assert activation_bytes_per_layer(t=t, sequence_parallel=True, **kw) / 2**20 == pytest.approx(342.0, abs=0.5)
+    # Selective recomputation (section 5): the attention core is recomputed, 34 sbh/t with SP, sbh(10 + 24/t) without.
+    assert activation_bytes_per_layer(t=t, sequence_parallel=True, recompute="selective", **kw) == pytest.approx(34 * sbh / t)
+    assert activation_bytes_per_layer(t=t, recompute="selective", **kw) == pytest.approx(sbh * (10 + 24 / t))
+    # Grouped-query attention: K and V shrink by kv_heads/a (2 bytes each): 8 KV heads of 96 save 4 sbh (1 - 8/96) / t.
+    gqa = activation_bytes_per_layer(t=t, kv_heads=8, **kw)
+    assert activation_bytes_per_layer(t=t, **kw) - gqa == pytest.approx(4 * sbh * (1 - 8 / a) / t)
 
 
 def test_memory_tracker_counts_saved_storage_once():

@@ -9,6 +9,7 @@ Gradient-norm clipping must count every parameter element exactly once in the wh
 
 - a TP-split parameter: each TP rank holds a distinct slice, all counted;
 - a replicated parameter (LayerNorm, row-parallel bias, position embedding): counted on TP rank 0 only;
+- a shard held by several TP ranks (key/value heads when tp > kv_heads): counted on the first of them;
 - the last pipeline stage's copy of a tied word embedding: not counted (the first stage's is);
 - data-parallel replicas hold identical (averaged) gradients: counted once (the sum over the world
   is divided by dp).
@@ -17,12 +18,13 @@ Gradient-norm clipping must count every parameter element exactly once in the wh
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 from torch import nn
 
 from mlmkit.distributed import CommGroup, ProcessGroups
+from mlmkit.tensor_parallel.layers import param_grad
 
 __all__ = ["allreduce_gradients", "bucketize", "clip_grad_norm", "counted_once"]
 
@@ -45,27 +47,50 @@ def bucketize(params: Sequence[nn.Parameter], bucket_bytes: int) -> list[list[nn
     return buckets
 
 
-def allreduce_gradients(params: Iterable[nn.Parameter], dp: CommGroup, *, bucket_bytes: int = 25 * 2**20) -> int:
+def allreduce_gradients(params: Iterable[nn.Parameter], dp: CommGroup, *, bucket_bytes: int = 25 * 2**20,
+                        reduce_dtype: Optional[torch.dtype] = None) -> int:
     """Average gradients over the dp group, one all-reduce per bucket. Returns the number of buckets.
 
+    The gradients are :func:`~mlmkit.tensor_parallel.param_grad` (fp32 ``main_grad`` under mixed
+    precision); ``reduce_dtype`` (e.g. bf16) is the dtype on the wire, default: the gradients' own.
+    Buckets are sized by the bytes on the wire.
     forward/backward: not an autograd op; call it after backward, before the optimizer step.
     """
     params = [p for p in params if p.requires_grad]
     for p in params:
-        if p.grad is None:
+        if param_grad(p) is None:
             p.grad = torch.zeros_like(p)
     if dp.size == 1:
         return 0
-    buckets = bucketize(list(reversed(params)), bucket_bytes)
-    for i, bucket in enumerate(buckets):
-        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+    grads = [param_grad(p) for p in reversed(params)]
+    wire = reduce_dtype or grads[0].dtype
+    sizes = _bucket_sizes([g.numel() * torch.tensor([], dtype=wire).element_size() for g in grads], bucket_bytes)
+    start = 0
+    for i, count in enumerate(sizes):
+        bucket = grads[start:start + count]
+        start += count
+        flat = torch.cat([g.reshape(-1).to(wire) for g in bucket])
         dp.all_reduce(flat, site=f"dp_grads.bucket{i}", phase="backward")
-        flat.div_(dp.size)
+        flat = flat.to(bucket[0].dtype).div_(dp.size)
         offset = 0
-        for p in bucket:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-    return len(buckets)
+        for g in bucket:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+    return len(sizes)
+
+
+def _bucket_sizes(nbytes: Sequence[int], bucket_bytes: int) -> list[int]:
+    # How many consecutive tensors each bucket takes (the rule of bucketize, on byte sizes).
+    counts, size = [], 0
+    for n in nbytes:
+        if counts and size + n > bucket_bytes:
+            counts.append(0)
+            size = 0
+        if not counts:
+            counts.append(0)
+        counts[-1] += 1
+        size += n
+    return counts
 
 
 def counted_once(param: nn.Parameter, groups: ProcessGroups) -> bool:
@@ -73,6 +98,8 @@ def counted_once(param: nn.Parameter, groups: ProcessGroups) -> bool:
     if getattr(param, "shared_embedding", False) and groups.topology.pp > 1:
         return False
     if getattr(param, "tp_split_dim", None) is None and groups.coords.tp != 0:
+        return False
+    if groups.coords.tp % getattr(param, "tp_replicas", 1):
         return False
     return True
 
@@ -88,7 +115,7 @@ def clip_grad_norm(params: Sequence[nn.Parameter], groups: ProcessGroups, *, max
     ``max_norm=0`` switches clipping off (the norm is still computed and returned).
     """
     if local_sumsq is None:
-        grads = [p.grad.detach() for p in params if p.grad is not None and counted_once(p, groups)]
+        grads = [param_grad(p).detach() for p in params if param_grad(p) is not None and counted_once(p, groups)]
         norms = torch._foreach_norm(grads) if grads else []          # one fp32 norm per tensor
         sq = torch.stack(norms).double().pow(2).sum() if grads else torch.zeros((), dtype=torch.float64,
                                                                                   device=groups.device)
@@ -100,7 +127,7 @@ def clip_grad_norm(params: Sequence[nn.Parameter], groups: ProcessGroups, *, max
     norm = math.sqrt(float(total))
     coef = max_norm / (norm + 1e-6)
     if max_norm > 0 and coef < 1.0:
-        grads = [p.grad for p in params if p.grad is not None]
+        grads = [param_grad(p) for p in params if param_grad(p) is not None]
         if grads:
             torch._foreach_mul_(grads, coef)
     return norm

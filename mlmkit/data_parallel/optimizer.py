@@ -1,55 +1,81 @@
-"""AdamW for parallel training: replicated (plain data parallelism) or sharded over dp (ZeRO-1).
+"""AdamW for parallel training: replicated (plain data parallelism) or sharded over dp (ZeRO-1),
+in fp32 or in mixed precision.
 
 Both optimizers do, in :meth:`step`: average gradients over the dp group, clip to a global norm
 counted once per element (:mod:`mlmkit.data_parallel.grads`), then an AdamW update
 (Loshchilov & Hutter 2019; weight decay on every parameter).
 
 - :class:`ReplicatedAdamW`: every dp rank all-reduces gradients (in buckets) and keeps the full
-  optimizer state: 12 bytes per parameter in fp32 (master copy excluded since training is fp32:
-  exp_avg and exp_avg_sq, 8 bytes, plus the gradient's 4).
+  optimizer state.
 - :class:`ShardedAdamW` (ZeRO stage 1, Rajbhandari et al. 2020; Megatron-LM's distributed
   optimizer): parameters are viewed as one flat vector split in ``dp`` equal contiguous shards.
   Gradients are reduce-scattered (each rank receives the average of its shard only), each rank
   updates its shard with its own slice of the optimizer state, then the updated shards are
   all-gathered into every replica's parameters. Optimizer state per rank shrinks by ``dp``.
 
+Mixed precision (Megatron-LM's ``--bf16``; :mod:`mlmkit.data_parallel.mixed_precision`): the
+parameters are bf16, their gradients accumulate in fp32 ``main_grad`` buffers, and the optimizer
+keeps an fp32 *master* copy of every weight (ZeRO-1: its shard is that copy), updates it with fp32
+Adam moments, and casts it back into the bf16 parameters. Gradients are reduced in fp32 (or in
+``grad_reduce_dtype``); ZeRO-1 gathers the updated parameters in their own dtype. Bytes per
+parameter: fp32 16 (4 + 4 + 8; the parameter is the master), bf16 18 (2 + 4 + 4 + 8), and with
+ZeRO-1 over ``d`` replicas 4 + 4 + 12/d and 6 + 12/d (Megatron-LM's figures).
+
 AdamW is element-wise, so updating shards gives exactly the same numbers as updating the whole.
-Both expose the state per parameter name (:meth:`state_by_name`) so checkpoints are layout-free.
+Both expose the state per parameter name (:meth:`state_by_name`, with the master weights under
+mixed precision) so checkpoints are layout-free and resume exactly.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
 
 from mlmkit.data_parallel.grads import allreduce_gradients, clip_grad_norm, counted_once
 from mlmkit.distributed import ProcessGroups
+from mlmkit.tensor_parallel.layers import param_grad
 
 __all__ = ["ReplicatedAdamW", "ShardedAdamW", "make_optimizer"]
+
+_STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 class _Base:
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], groups: ProcessGroups, *,
-                 betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0, max_grad_norm: float = 1.0):
+                 betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0, max_grad_norm: float = 1.0,
+                 grad_reduce_dtype: Optional[torch.dtype] = None):
         self.named = [(n, p) for n, p in named_params if p.requires_grad]
         names = [n for n, _ in self.named]
         if len(set(names)) != len(names):
             raise ValueError(f"parameter names must be unique on a rank, got duplicates in {names}")
         self.params = [p for _, p in self.named]
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) > 1:
+            raise ValueError(f"all parameters must share one dtype, got {sorted(map(str, dtypes))}")
+        self.param_dtype = dtypes.pop() if dtypes else torch.float32
+        self.mixed = self.param_dtype != torch.float32
         self.groups = groups
         self.hyper = dict(betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         self.max_grad_norm = max_grad_norm
+        self.grad_reduce_dtype = grad_reduce_dtype
         self.last_grad_norm: float = float("nan")
 
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
+            main = getattr(p, "main_grad", None)
+            if main is not None:
+                main.zero_()
 
     def params_loaded(self) -> None:
         """Call after the model's weights were overwritten (a checkpoint load): an optimizer that
         keeps its own copy of the weights refreshes it from the parameters."""
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the optimizer holds (moments, master weights): what memory accounting counts."""
+        return [v for st in self.opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
 
 
 class ReplicatedAdamW(_Base):
@@ -58,32 +84,59 @@ class ReplicatedAdamW(_Base):
     def __init__(self, named_params, groups: ProcessGroups, *, bucket_bytes: int = 25 * 2**20, **kw):
         super().__init__(named_params, groups, **kw)
         self.bucket_bytes = bucket_bytes
-        self.opt = torch.optim.AdamW(self.params, lr=0.0, **self.hyper)
+        # Mixed precision: fp32 master weights; fp32: the parameters are their own master.
+        self.master = [p.detach().float().clone() for p in self.params] if self.mixed else None
+        self.opt = torch.optim.AdamW(self.master if self.mixed else self.params, lr=0.0, **self.hyper)
 
     def step(self, *, lr: float) -> float:
         """Average, clip, update. Returns the global gradient norm before clipping."""
-        allreduce_gradients(self.params, self.groups.dp, bucket_bytes=self.bucket_bytes)
+        allreduce_gradients(self.params, self.groups.dp, bucket_bytes=self.bucket_bytes,
+                            reduce_dtype=self.grad_reduce_dtype)
         self.last_grad_norm = clip_grad_norm(self.params, self.groups, max_norm=self.max_grad_norm)
         for g in self.opt.param_groups:
             g["lr"] = lr
-        self.opt.step()
+        if self.mixed:
+            for m, p in zip(self.master, self.params):
+                m.grad = param_grad(p)
+            self.opt.step()
+            with torch.no_grad():
+                for m, p in zip(self.master, self.params):
+                    p.copy_(m)
+                    m.grad = None
+        else:
+            self.opt.step()
         return self.last_grad_norm
+
+    def params_loaded(self) -> None:
+        if self.mixed:
+            with torch.no_grad():
+                for m, p in zip(self.master, self.params):
+                    m.copy_(p.float())
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return super().state_tensors() + (list(self.master) if self.mixed else [])
 
     def state_by_name(self) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
         states, step = {}, 0
-        for n, p in self.named:
-            st = self.opt.state.get(p)
+        for i, (n, p) in enumerate(self.named):
+            st = self.opt.state.get(self.master[i] if self.mixed else p)
             if st:
-                states[n] = {"exp_avg": st["exp_avg"].detach().clone(), "exp_avg_sq": st["exp_avg_sq"].detach().clone()}
+                states[n] = {k: st[k].detach().clone() for k in _STATE_KEYS}
                 step = int(st["step"])
+            if self.mixed:
+                states.setdefault(n, {})["master"] = self.master[i].detach().clone()
         return states, step
 
     def load_state_by_name(self, states: dict, step: int) -> None:
-        for n, p in self.named:
-            if n in states:
-                self.opt.state[p] = {"step": torch.tensor(float(step)),
-                                     "exp_avg": states[n]["exp_avg"].to(p).clone(),
-                                     "exp_avg_sq": states[n]["exp_avg_sq"].to(p).clone()}
+        for i, (n, p) in enumerate(self.named):
+            st = states.get(n, {})
+            target = self.master[i] if self.mixed else p
+            if self.mixed and "master" in st:
+                with torch.no_grad():
+                    self.master[i].copy_(st["master"])
+            if all(k in st for k in _STATE_KEYS):
+                self.opt.state[target] = {"step": torch.tensor(float(step)),
+                                          **{k: st[k].to(target).clone() for k in _STATE_KEYS}}
 
 
 class ShardedAdamW(_Base):
@@ -95,19 +148,23 @@ class ShardedAdamW(_Base):
         self.numel = sum(p.numel() for p in self.params)
         self.shard_size = -(-self.numel // dp)           # ceil(N / dp); the flat vector is zero-padded
         self.start = groups.dp.rank * self.shard_size
-        flat = self._flat([p.detach() for p in self.params])
-        self.shard = nn.Parameter(flat[self.start:self.start + self.shard_size].clone())
+        flat = self._flat([p.detach().float() for p in self.params])
+        self.shard = nn.Parameter(flat[self.start:self.start + self.shard_size].clone())   # fp32 master shard
         # 1 where this element counts towards the global gradient norm, else 0 (module grads).
-        counts = self._flat([torch.full_like(p, 1.0 if counted_once(p, groups) else 0.0) for p in self.params])
+        counts = self._flat([torch.full_like(p, 1.0, dtype=torch.float32) if counted_once(p, groups)
+                             else torch.zeros_like(p, dtype=torch.float32) for p in self.params])
         self.count_mask = counts[self.start:self.start + self.shard_size]
         self.opt = torch.optim.AdamW([self.shard], lr=0.0, **self.hyper)
 
     def params_loaded(self) -> None:
         """Refresh the fp32 shard from the model's parameters (after a checkpoint load): the update
         writes the shard back over the parameters, so a stale shard would undo the load."""
-        flat = self._flat([p.detach() for p in self.params])
+        flat = self._flat([p.detach().float() for p in self.params])
         with torch.no_grad():
             self.shard.copy_(flat[self.start:self.start + self.shard_size])
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return super().state_tensors() + [self.shard]
 
     def _flat(self, tensors) -> torch.Tensor:
         # [N] -> [dp * shard_size], zero-padded at the end.
@@ -117,8 +174,13 @@ class ShardedAdamW(_Base):
 
     def step(self, *, lr: float) -> float:
         dp = self.groups.dp
-        grads = self._flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params])
-        shard_grad = dp.reduce_scatter(grads, dim=0, site="zero1.grads", phase="backward") if dp.size > 1 else grads
+        grads = self._flat([param_grad(p) if param_grad(p) is not None else torch.zeros_like(p, dtype=torch.float32)
+                            for p in self.params])
+        if dp.size > 1:
+            wire = grads.to(self.grad_reduce_dtype) if self.grad_reduce_dtype is not None else grads
+            shard_grad = dp.reduce_scatter(wire, dim=0, site="zero1.grads", phase="backward").float()
+        else:
+            shard_grad = grads.float()
         shard_grad = shard_grad / dp.size                              # [shard_size], averaged
         sumsq = (shard_grad.double().pow(2) * self.count_mask.double()).sum()
         self.last_grad_norm = clip_grad_norm([], self.groups, max_norm=self.max_grad_norm, local_sumsq=sumsq)
@@ -129,7 +191,10 @@ class ShardedAdamW(_Base):
         for g in self.opt.param_groups:
             g["lr"] = lr
         self.opt.step()
-        full = dp.all_gather(self.shard.detach(), dim=0, site="zero1.params") if dp.size > 1 else self.shard.detach()
+        self.shard.grad = None
+        # The updated weights travel in the parameters' own dtype (bf16 under mixed precision).
+        mine = self.shard.detach().to(self.param_dtype)
+        full = dp.all_gather(mine, dim=0, site="zero1.params") if dp.size > 1 else mine
         offset = 0
         with torch.no_grad():
             for p in self.params:
@@ -137,28 +202,35 @@ class ShardedAdamW(_Base):
                 offset += p.numel()
         return self.last_grad_norm
 
-    def _gather_state(self, key: str) -> torch.Tensor:
-        local = self.opt.state[self.shard][key].detach()
+    def _gather(self, local: torch.Tensor) -> torch.Tensor:
         dp = self.groups.dp
-        return dp.all_gather(local, dim=0, site="zero1.checkpoint") if dp.size > 1 else local
+        return dp.all_gather(local.detach(), dim=0, site="zero1.checkpoint") if dp.size > 1 else local.detach()
 
     def state_by_name(self) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
         """Per-parameter state, gathered over dp (collective over the dp group)."""
-        if self.shard not in self.opt.state:
-            return {}, 0
-        full = {k: self._gather_state(k) for k in ("exp_avg", "exp_avg_sq")}
+        full = {}
+        if self.shard in self.opt.state:
+            full = {k: self._gather(self.opt.state[self.shard][k]) for k in _STATE_KEYS}
+        if self.mixed:
+            full["master"] = self._gather(self.shard)
         states, offset = {}, 0
         for n, p in self.named:
-            states[n] = {k: v[offset:offset + p.numel()].view_as(p).clone() for k, v in full.items()}
+            if full:
+                states[n] = {k: v[offset:offset + p.numel()].view(p.shape).clone() for k, v in full.items()}
             offset += p.numel()
-        return states, int(self.opt.state[self.shard]["step"])
+        step = int(self.opt.state[self.shard]["step"]) if self.shard in self.opt.state else 0
+        return states, step
 
     def load_state_by_name(self, states: dict, step: int) -> None:
-        flat = {k: self._flat([states[n][k].to(p) for n, p in self.named]) for k in ("exp_avg", "exp_avg_sq")}
         sl = slice(self.start, self.start + self.shard_size)
-        self.opt.state[self.shard] = {"step": torch.tensor(float(step)),
-                                      "exp_avg": flat["exp_avg"][sl].clone(),
-                                      "exp_avg_sq": flat["exp_avg_sq"][sl].clone()}
+        if all("master" in states.get(n, {}) for n, _ in self.named):
+            flat = self._flat([states[n]["master"].float() for n, _ in self.named])
+            with torch.no_grad():
+                self.shard.copy_(flat[sl])
+        if all(all(k in states.get(n, {}) for k in _STATE_KEYS) for n, _ in self.named):
+            flat = {k: self._flat([states[n][k].float() for n, _ in self.named]) for k in _STATE_KEYS}
+            self.opt.state[self.shard] = {"step": torch.tensor(float(step)),
+                                          **{k: flat[k][sl].clone() for k in _STATE_KEYS}}
 
 
 def make_optimizer(named_params, groups: ProcessGroups, *, zero1: bool, bucket_bytes: int, **kw):

@@ -7,13 +7,19 @@ equals what the tracer measures:
 
 - ``tp``: per layer and microbatch, 4 all-reduces of ``[s, b, h]`` (f and g, forward and backward;
   Shoeybi et al. 2019), or with sequence parallelism 4 all-gathers and 4 reduce-scatters of the same
-  tensors (Korthikanti et al. 2022); with recomputation each layer's 2 forward collectives run
-  again in backward; the embedding's reduction, the head's f, the vocab-parallel loss's three
-  ``[s, b]`` all-reduces; the sequence-parallel gradient sum once per step;
+  tensors (Korthikanti et al. 2022); with full recomputation each layer's 2 forward collectives run
+  again in backward (selective recomputation reruns no collective); the embedding's reduction, the
+  head's f, the vocab-parallel loss's three fp32 ``[s, b]`` all-reduces; once per step and model
+  chunk, the sequence-parallel gradient sum and the sum of replicated key/value heads' gradients
+  (tp > kv_heads);
 - ``pp``: each microbatch's activations ``[s, b, h]`` (``[s/t, b, h]`` with SP) sent to the next
   stage and its gradient sent back to the previous one;
 - ``dp``: the gradient all-reduce (bucketed), or ZeRO-1's reduce-scatter of gradients plus
   all-gather of parameters (flat vector padded to a multiple of dp);
+
+Activations and their messages travel in the training dtype (2 bytes in bf16), gradients in fp32
+(``grad_reduce="bf16"``: the dp reduction in bf16), ZeRO-1's parameter all-gather in the
+parameters' dtype.
 - ``embedding``: the tied word embedding's gradient all-reduce between first and last stage;
 - ``world``: the gradient-norm and loss all-reduces (8 bytes each).
 """
@@ -27,7 +33,7 @@ from mlmkit.model.config import GPTConfig
 from mlmkit.topology import Topology
 from mlmkit.trace.tracer import ring_wire_bytes
 
-__all__ = ["estimate_comm"]
+__all__ = ["estimate_comm", "estimate_train_comm"]
 
 
 def _buckets(sizes: list[int], bucket_bytes: int) -> list[int]:
@@ -44,13 +50,20 @@ def _buckets(sizes: list[int], bucket_bytes: int) -> list[int]:
 
 
 def estimate_comm(model: GPTConfig, topology: Topology, *, micro_batch_size: int, microbatches: int,
-                  chunks: int = 1, sequence_parallel: bool = False, zero1: bool = False, recompute: bool = False,
-                  bucket_bytes: int = 25 * 2**20, element_bytes: int = 4,
+                  chunks: int = 1, sequence_parallel: bool = False, zero1: bool = False, recompute=False,
+                  bucket_bytes: int = 25 * 2**20, precision: str = "fp32", grad_reduce: str = "fp32",
                   layers_per_stage: Optional[Sequence[int]] = None):
-    """Wire bytes per rank (rows) and axis (columns: tp, pp, dp, embedding, world) for one step."""
+    """Wire bytes per rank (rows) and axis (columns: tp, pp, dp, embedding, world) for one step.
+    For a training run, :func:`estimate_train_comm` takes every option from its TrainConfig."""
     import pandas as pd
 
-    s, b, h, m, E = model.seq_len, micro_batch_size, model.hidden, microbatches, element_bytes
+    if precision not in ("fp32", "bf16") or grad_reduce not in ("fp32", "bf16"):
+        raise ValueError(f"precision={precision!r}, grad_reduce={grad_reduce!r}: expected 'fp32' or 'bf16'")
+    full_recompute = recompute is True or recompute == "full"
+    s, b, h, m = model.seq_len, micro_batch_size, model.hidden, microbatches
+    E = 2 if precision == "bf16" else 4          # activations, parameters
+    G = 4                                        # gradients (fp32 main gradients under bf16)
+    R = 2 if grad_reduce == "bf16" else 4        # gradients on the dp wire
     t, d, p = topology.tp, topology.dp, topology.pp
     sp = sequence_parallel and t > 1
     act = s * b * h * E                   # one [s, b, h] tensor
@@ -69,7 +82,7 @@ def estimate_comm(model: GPTConfig, topology: Topology, *, micro_batch_size: int
                                                       + ring_wire_bytes("reduce_scatter", act, t))
                 else:
                     per_mb += len(st["layers"]) * 4 * ring_wire_bytes("all_reduce", act, t)
-                if recompute:  # each layer's forward runs again in backward, collectives included
+                if full_recompute:  # each layer's forward runs again in backward, collectives included
                     per_mb += len(st["layers"]) * 2 * (ring_wire_bytes("all_gather", act, t)
                                                       + ring_wire_bytes("reduce_scatter", act, t)
                                                       if sp else ring_wire_bytes("all_reduce", act, t))
@@ -81,8 +94,14 @@ def estimate_comm(model: GPTConfig, topology: Topology, *, micro_batch_size: int
                                if sp else ring_wire_bytes("all_reduce", act, t))
                     per_mb += 3 * ring_wire_bytes("all_reduce", s * b * 4, t)
             vol["tp"] = m * per_mb
-            if sp:
-                vol["tp"] += ring_wire_bytes("all_reduce", E * sum(q.numel for q in params if q.sequence_parallel), t)
+            for st in stages:   # once per step and model chunk
+                mine = local_parameters(model, topology, pp_rank=c.pp, chunks=chunks, sequence_parallel=sequence_parallel,
+                                        layers_per_stage=layers_per_stage, only_chunk=st["chunk"])
+                if sp:
+                    vol["tp"] += ring_wire_bytes("all_reduce", G * sum(q.numel for q in mine if q.sequence_parallel), t)
+                replicated = sum(q.numel * (t // q.replicas) for q in mine if q.replicas > 1)
+                if replicated:
+                    vol["tp"] += ring_wire_bytes("all_reduce", G * replicated, t)
         if p > 1:
             msg = (s // t if sp else s) * b * h * E
             last = p * chunks - 1
@@ -92,16 +111,24 @@ def estimate_comm(model: GPTConfig, topology: Topology, *, micro_batch_size: int
         if d > 1:
             if zero1:
                 n = sum(q.numel for q in params)
-                padded = -(-n // d) * d * E
-                vol["dp"] = ring_wire_bytes("reduce_scatter", padded, d) + ring_wire_bytes("all_gather", padded, d)
+                padded = -(-n // d) * d
+                vol["dp"] = ring_wire_bytes("reduce_scatter", padded * R, d) + ring_wire_bytes("all_gather", padded * E, d)
             else:
-                sizes = [q.numel * E for q in reversed(params)]
+                sizes = [q.numel * R for q in reversed(params)]
                 vol["dp"] = sum(ring_wire_bytes("all_reduce", n, d) for n in _buckets(sizes, bucket_bytes))
         if p > 1 and model.tie_embeddings:
-            vocab_bytes = model.padded_vocab(t) // t * h * E
+            vocab_bytes = model.padded_vocab(t) // t * h * G
             holds = any(st["pre_process"] or st["post_process"] for st in stages)
             vol["embedding"] = ring_wire_bytes("all_reduce", vocab_bytes, 2) if holds else 0
         if topology.world_size > 1:
             vol["world"] = 2 * ring_wire_bytes("all_reduce", 8, topology.world_size)
         rows.append({"rank": rank, **vol})
     return pd.DataFrame(rows).set_index("rank")
+
+
+def estimate_train_comm(config):
+    """:func:`estimate_comm` for a :class:`~mlmkit.train.TrainConfig` (every option from the config)."""
+    return estimate_comm(config.model, config.topology, micro_batch_size=config.micro_batch_size,
+                         microbatches=config.microbatches, chunks=config.chunks,
+                         sequence_parallel=config.sequence_parallel, zero1=config.zero1, recompute=config.recompute,
+                         bucket_bytes=config.bucket_bytes, precision=config.precision, grad_reduce=config.grad_reduce)

@@ -5,9 +5,9 @@ Model state (bytes per parameter, Megatron-LM's accounting, "distributed optimiz
 - mixed precision (``precision="bf16"``): 2 (bf16 parameter) + 4 (fp32 gradient) + 12 (fp32 master
   copy, Adam's exp_avg and exp_avg_sq) = **18**; with the distributed optimizer (ZeRO-1) over ``d``
   replicas the 12 are split: **6 + 12/d**.
-- mlmkit's fp32 training (``precision="fp32"``): 4 + 4 + 8 (exp_avg, exp_avg_sq; the parameter
-  itself is the master) = 16; with ZeRO-1, 4 + 4 + 12/d (the fp32 shard copy plus its two states,
-  on ``ceil(N/d)`` elements).
+- fp32 training (``precision="fp32"``): 4 + 4 + 8 (exp_avg, exp_avg_sq; the parameter itself is
+  the master) = 16; with ZeRO-1, 4 + 4 + 12/d (the fp32 shard copy plus its two states, on
+  ``ceil(N/d)`` elements).
 
 Activations per Transformer layer and microbatch (Korthikanti et al. 2022, section 4; ``s``
 sequence, ``b`` microbatch, ``h`` hidden, ``a`` heads, ``t`` tensor-parallel degree), with 2-byte
@@ -16,19 +16,29 @@ activations and 1-byte dropout masks (``implementation="megatron"``):
 - no parallelism: ``sbh (34 + 5as/h)``
 - tensor parallelism: ``sbh (10 + 24/t + 5as/(ht))``
 - tensor + sequence parallelism: ``sbh/t (34 + 5as/h)``
-- full recomputation: ``2sbh`` (``2sbh/t`` with sequence parallelism)
+- selective recomputation (the attention core: QK^T, softmax, dropout, attention over V) drops
+  the ``5as/h`` term: ``34 sbh/t`` with sequence parallelism (section 5);
+- full recomputation: ``2sbh`` (``2sbh/t`` with sequence parallelism).
 
-The same terms are summed per saved tensor, so ``implementation="mlmkit"`` describes what this
-library's layers actually save (each a systematic difference from the paper, measured by the
-saved-tensor hooks of :mod:`mlmkit.trace.memory`):
+Grouped-query attention shrinks the key and value terms by ``kv_heads/a``, and the MLP terms follow
+``ffn`` (SwiGLU keeps gate, up, their activation and product: ``8 sb ffn`` bytes against GELU's
+``4 sb ffn``).
 
-- activations are fp32 (4 bytes) and a dropout mask is a float tensor (4 bytes); with dropout 0 no
-  mask or dropped copy is stored at all;
-- with sequence parallelism, the inputs of the QKV and fc1 linears are stored all-gathered
+``implementation="mlmkit"`` sums what this library's blocks actually save (each a systematic
+difference from the paper, measured by the saved-tensor hooks of :mod:`mlmkit.trace.memory`):
+
+- activations are the training dtype (4 bytes in fp32, 2 in bf16) and a dropout mask is a tensor
+  of that dtype; with dropout 0 no mask or dropped copy is stored at all;
+- with sequence parallelism, the inputs of the column-parallel linears are stored all-gathered
   (``sbh``, not ``sbh/t``: Megatron-LM stores the split input and gathers it again in backward);
-- LayerNorm also stores its mean and reciprocal std (``2sb`` per LayerNorm), the attention stores
-  its causal mask (``s^2`` bytes), and the first and last stages hold the embedding's indices and
-  the loss's softmax over the (local) vocabulary.
+- LayerNorm stores its mean and reciprocal std (activation dtype), RMSNorm its reciprocal rms in
+  fp32; rotary positions keep their fp32 cos and sin tables (once per stage) and the rotated
+  queries and keys;
+- attention through ``scaled_dot_product_attention`` (flash kernels; ``attention="sdpa"`` without
+  dropout) keeps its output and an fp32 log-sum-exp per query, no ``s x s`` scores; the eager path
+  keeps the causal mask (``s^2`` bytes) and the fp32 softmax (plus its bf16 copy in bf16);
+- the first and last stages hold the embedding's indices and the loss's fp32 softmax over the
+  (local) vocabulary.
 
 The peak per rank replays the schedule's compute order: a microbatch's activations are held from
 its forward until its last backward action (W when backward is split).
@@ -37,14 +47,15 @@ its forward until its last backward action (W when backward is split).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 from mlmkit.estimate.params import local_parameters, stage_layout
 from mlmkit.model.config import GPTConfig
 from mlmkit.pipeline.schedule import make_schedule
 from mlmkit.topology import Topology
 
-__all__ = ["PRECISIONS", "Precision", "activation_bytes_per_layer", "bytes_per_parameter", "estimate_memory"]
+__all__ = ["PRECISIONS", "Precision", "activation_bytes_per_layer", "bytes_per_parameter", "estimate_memory",
+           "estimate_train_memory"]
 
 
 @dataclass(frozen=True)
@@ -57,7 +68,7 @@ class Precision:
     master: int      # fp32 master copy kept by the optimizer (0: the parameter is the master)
     state: int       # each of Adam's two moments
     activation: int
-    mask: int        # one dropout-mask element
+    mask: int        # one dropout-mask element (Megatron-LM's byte masks; mlmkit's are activations)
 
 
 PRECISIONS = {
@@ -74,6 +85,16 @@ def _precision(p) -> Precision:
     return PRECISIONS[p]
 
 
+def _recompute(recompute: Union[bool, str]) -> str:
+    if recompute is True:
+        return "full"
+    if recompute is False or recompute is None:
+        return "none"
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute={recompute!r}: expected 'none', 'selective' or 'full'")
+    return recompute
+
+
 def bytes_per_parameter(*, precision="bf16", zero1: bool = False, dp: int = 1) -> float:
     """Model-state bytes per parameter: 18 (bf16), or 6 + 12/d with ZeRO-1 (Megatron-LM's figures)."""
     pr = _precision(precision)
@@ -82,64 +103,114 @@ def bytes_per_parameter(*, precision="bf16", zero1: bool = False, dp: int = 1) -
 
 
 def activation_bytes_per_layer(*, s: int, b: int, h: int, a: int, ffn: Optional[int] = None, t: int = 1,
-                               sequence_parallel: bool = False, recompute: bool = False, dropout: bool = True,
-                               precision="bf16", implementation: str = "megatron") -> float:
-    """Bytes one Transformer layer keeps for backward, per microbatch (module docstring)."""
+                               sequence_parallel: bool = False, recompute: Union[bool, str] = False,
+                               dropout: bool = True, precision="bf16", implementation: str = "megatron",
+                               kv_heads: Optional[int] = None, mlp: str = "gelu", norm: str = "layernorm",
+                               rope: bool = False, attention: str = "eager") -> float:
+    """Bytes one Transformer layer keeps for backward, per microbatch (module docstring).
+
+    ``attention``: "eager" (the paper's accounting; the softmax scores are kept) or "sdpa"
+    (``implementation="mlmkit"`` only: flash kernels keep no ``s x s`` scores when there is no
+    attention dropout). ``kv_heads``, ``mlp``, ``norm`` and ``rope`` select the blocks of
+    :class:`~mlmkit.model.config.GPTConfig`.
+    """
     if implementation not in ("megatron", "mlmkit"):
         raise ValueError(f"implementation={implementation!r}: expected 'megatron' or 'mlmkit'")
     pr = _precision(precision)
+    recompute = _recompute(recompute)
     E, M = pr.activation, pr.mask
     ffn = 4 * h if ffn is None else ffn
+    kv = a if kv_heads is None else kv_heads
     sp = sequence_parallel and t > 1
     seq = (s * b * h / t) if sp else s * b * h          # replicated region, split along s with SP
-    if recompute:
+    if recompute == "full":
         return E * seq
-    mine = implementation == "mlmkit"
-    gathered_in = (s * b * h) if (mine or not sp) else s * b * h / t    # QKV / fc1 inputs
-    split = s * b * h / t                                              # tensor-parallel region
-    attn = a * s * s * b / t
-    total = E * (2 * seq + 2 * gathered_in)                 # ln1/ln2 inputs, qkv/fc1 inputs
-    total += E * (3 * split + split)                        # Q, K, V; projection input
-    total += E * 2 * s * b * ffn / t                        # GELU input, fc2 input
-    total += E * attn                                       # softmax output
-    if mine:
-        total += 2 * 4 * (s * b / t if sp else s * b)       # LayerNorm mean and rstd (fp32)
-        total += s * s                                      # causal mask (bool)
-    if dropout:
-        if mine:
-            total += (E + M) * attn                         # mask and dropped probabilities
-            total += 2 * (E + M) * seq                      # residual dropouts: mask and saved input
+    if implementation == "megatron":
+        return _megatron_layer(s=s, b=b, h=h, a=a, kv=kv, ffn=ffn, t=t, sp=sp, E=E, M=M, mlp=mlp,
+                               selective=recompute == "selective", dropout=dropout)
+    T = s * b                                            # tokens of a microbatch
+    Tr = T / t if sp else T                              # tokens of the replicated region on this rank
+    d = h // a
+    a_l = a / t
+    kv_l = kv / t if kv >= t else 1                      # key/value heads held here (replicated if kv < t)
+    flash = attention == "sdpa" and not dropout
+
+    norm_bytes = E * seq + (2 * E * Tr if norm == "layernorm" else 4 * Tr)   # input + statistics
+    total = 2 * norm_bytes                                                    # before attention and MLP
+    total += 2 * E * T * h                                                    # attention and MLP inputs (gathered)
+    # Query/key/value storages: what the attention (or the rotary rotation) keeps.
+    if kv == a:
+        total += E * T * 3 * a_l * d + (E * T * 2 * a_l * d if rope else 0)  # fused qkv; rotated q, k
+    elif rope:
+        total += E * T * 2 * kv_l * d + E * T * (a_l + kv_l) * d            # kv (for v); rotated q, k
+    else:
+        total += E * T * (a_l + 2 * kv_l) * d                               # q; kv
+    total += E * T * a_l * d                                                  # attention output = projection input
+    if recompute != "selective":                                              # the core keeps its own tensors
+        if flash:
+            total += 4 * T * a_l                                              # log-sum-exp per query (fp32)
         else:
-            total += (E + M) * attn                         # dropout output (2) and mask (1)
-            total += 2 * M * seq                            # two residual-dropout masks
+            scores = b * a_l * s * s
+            total += s * s + 4 * scores                                       # causal mask, fp32 softmax
+            if dropout:
+                total += 2 * E * scores                                       # keep mask, dropped probabilities
+            elif E != 4:
+                total += E * scores                                           # the probabilities in bf16
+    total += E * T * (ffn / t) * (4 if mlp == "swiglu" else 2)                # up (gate, up), activation, product
+    if dropout:
+        total += 2 * E * seq                                                  # two residual dropouts' masks
     return total
 
 
-def _stage_extra(model: GPTConfig, *, s: int, b: int, t: int, sp: bool, pre: bool, post: bool, pr: Precision) -> float:
+def _megatron_layer(*, s, b, h, a, kv, ffn, t, sp, E, M, mlp, selective, dropout) -> float:
+    # Korthikanti et al. 2022, section 4.1, term by term (E = 2, M = 1 gives their 34 + 5as/h).
+    replicated = 1 / t if sp else 1.0                    # LayerNorm inputs, QKV and fc1 inputs, dropout masks
+    sbh = s * b * h
+    total = 2 * E * sbh * replicated                                    # two LayerNorm inputs
+    total += E * sbh * replicated                                       # QKV input
+    total += E * sbh / t + 2 * E * sbh * (kv / a) / t                   # Q, K (for QK^T), V
+    total += E * sbh / t                                                # projection input
+    total += M * sbh * replicated                                       # attention dropout mask
+    if not selective:
+        attn = a * s * s * b / t
+        total += E * attn + (M * attn + E * attn if dropout else 0)     # softmax; dropout mask and output
+    total += E * sbh * replicated                                       # fc1 input
+    total += (2 if mlp == "gelu" else 4) * E * s * b * ffn / t         # activation input(s) and output(s)
+    total += M * sbh * replicated                                       # MLP dropout mask
+    if not dropout:
+        total -= 2 * M * sbh * replicated
+    return total
+
+
+def _stage_extra(model: GPTConfig, *, s: int, b: int, t: int, sp: bool, pre: bool, post: bool, layers: int,
+                 pr: Precision) -> float:
     # mlmkit's first/last-stage activations outside the layers (see module docstring).
     E, h = pr.activation, model.hidden
     extra = 0.0
     if pre:
         extra += 8 * b * s + b * s                           # embedding indices (int64), out-of-range mask
         if model.dropout:
-            extra += (E + pr.mask) * (s * b * h / t if sp else s * b * h)
+            extra += E * (s * b * h / t if sp else s * b * h)     # embedding dropout's mask
+    if model.position == "rope" and layers:
+        extra += 2 * 4 * s * model.head_dim                  # cos and sin tables (fp32), shared by the layers
     if post:
-        seq = s * b * h / t if sp else s * b * h
-        extra += E * seq + 2 * 4 * (s * b / t if sp else s * b)   # final LayerNorm input and stats
+        tokens = s * b / t if sp else s * b
+        extra += E * tokens * h + (2 * E * tokens if model.norm == "layernorm" else 4 * tokens)  # final norm
         extra += E * s * b * h                                    # head input (gathered with SP)
-        extra += E * s * b * model.padded_vocab(t) / t            # softmax over the local vocabulary
+        extra += 4 * s * b * model.padded_vocab(t) / t            # fp32 softmax over the local vocabulary
         extra += 8 * s * b + 2 * s * b                            # targets (int64), two bool masks
     return extra
 
 
 def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: int, microbatches: int,
                     schedule: str = "1f1b", chunks: int = 1, sequence_parallel: bool = False,
-                    recompute: bool = False, zero1: bool = False, precision="fp32",
+                    recompute: Union[bool, str] = False, zero1: bool = False, precision="fp32",
                     implementation: str = "mlmkit", layers_per_stage: Optional[Sequence[int]] = None):
     """Estimated bytes per rank as a DataFrame indexed by rank.
 
     Columns: ``parameters``, ``gradients``, ``optimizer``, ``activations`` (peak over the step),
-    ``total``.
+    ``total``. For a training run, :func:`estimate_train_memory` takes every option from its
+    :class:`~mlmkit.train.TrainConfig`.
     """
     import pandas as pd
 
@@ -158,13 +229,15 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
             optimizer = shard * (2 * pr.state + (pr.master or pr.param))
         else:
             optimizer = n * (2 * pr.state + pr.master)
+        layer = activation_bytes_per_layer(
+            s=s, b=b, h=model.hidden, a=model.heads, ffn=model.ffn, t=t, sequence_parallel=sp, recompute=recompute,
+            dropout=model.dropout > 0, precision=pr, implementation=implementation, kv_heads=model.num_kv_heads,
+            mlp=model.mlp, norm=model.norm, rope=model.position == "rope",
+            attention=model.attention if implementation == "mlmkit" else "eager")
         per_chunk = []
         for st in stage_layout(model, topology, pp_rank=c.pp, chunks=chunks, layers_per_stage=layers_per_stage):
-            layer = activation_bytes_per_layer(s=s, b=b, h=model.hidden, a=model.heads, ffn=model.ffn, t=t,
-                                               sequence_parallel=sp, recompute=recompute,
-                                               dropout=model.dropout > 0, precision=pr, implementation=implementation)
-            extra = _stage_extra(model, s=s, b=b, t=t, sp=sp, pre=st["pre_process"], post=st["post_process"], pr=pr) \
-                if implementation == "mlmkit" else 0.0
+            extra = _stage_extra(model, s=s, b=b, t=t, sp=sp, pre=st["pre_process"], post=st["post_process"],
+                                 layers=len(st["layers"]), pr=pr) if implementation == "mlmkit" else 0.0
             per_chunk.append(len(st["layers"]) * layer + extra)
         last = "W" if sched.split_backward else "B"
         held = peak = 0.0
@@ -179,3 +252,12 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
     df = pd.DataFrame(rows).set_index("rank")
     df["total"] = df.sum(axis=1)
     return df
+
+
+def estimate_train_memory(config, *, implementation: str = "mlmkit"):
+    """:func:`estimate_memory` for a :class:`~mlmkit.train.TrainConfig`: its model, layout, schedule,
+    microbatching, sequence parallelism, recomputation, ZeRO stage and precision, never another."""
+    return estimate_memory(config.model, config.topology, micro_batch_size=config.micro_batch_size,
+                           microbatches=config.microbatches, schedule=config.schedule, chunks=config.chunks,
+                           sequence_parallel=config.sequence_parallel, recompute=config.recompute,
+                           zero1=config.zero1, precision=config.precision, implementation=implementation)

@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 from mlmkit.model.config import GPTConfig
 from mlmkit.topology import Topology
 
-__all__ = ["LocalParam", "stage_layout", "local_parameters"]
+__all__ = ["LocalParam", "local_parameters", "stage_layout", "total_parameters"]
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,7 @@ class LocalParam:
     split_dim: Optional[int]
     sequence_parallel: bool = False
     shared_embedding: bool = False
+    replicas: int = 1          # TP ranks holding this same shard (key/value heads when tp > kv_heads)
 
 
 def _split_layers(num_layers: int, stages: int, layers_per_stage: Optional[Sequence[int]] = None) -> list[tuple[int, ...]]:
@@ -46,28 +47,66 @@ def stage_layout(model: GPTConfig, topology: Topology, *, pp_rank: int, chunks: 
 
 
 def local_parameters(model: GPTConfig, topology: Topology, *, pp_rank: int, chunks: int = 1,
-                     sequence_parallel: bool = False,
-                     layers_per_stage: Optional[Sequence[int]] = None) -> list[LocalParam]:
-    """The parameters one rank (any TP rank of pipeline rank ``pp_rank``) holds, in registration order."""
-    t, h, ffn, sp = topology.tp, model.hidden, model.ffn, sequence_parallel
+                     sequence_parallel: bool = False, layers_per_stage: Optional[Sequence[int]] = None,
+                     only_chunk: Optional[int] = None) -> list[LocalParam]:
+    """The parameters one rank (any TP rank of pipeline rank ``pp_rank``) holds, in registration order
+    (per chunk: the module's own parameters, then the embedding, the layers, the final norm)."""
+    t, h, ffn, sp, d = topology.tp, model.hidden, model.ffn, sequence_parallel, model.head_dim
     vocab = model.padded_vocab(t)
+    bias = model.bias
+
+    def norm(name: str) -> list[LocalParam]:
+        out = [LocalParam(f"{name}.weight", h, None, sp)]
+        if model.norm == "layernorm" and bias:
+            out.append(LocalParam(f"{name}.bias", h, None, sp))
+        return out
+
+    def column(name: str, rows: int, replicas: int = 1) -> list[LocalParam]:
+        local = rows // (t // replicas)
+        out = [LocalParam(f"{name}.weight", local * h, 0, replicas=replicas)]
+        if bias:
+            out.append(LocalParam(f"{name}.bias", local, 0, replicas=replicas))
+        return out
+
+    def row(name: str, cols: int) -> list[LocalParam]:
+        out = [LocalParam(f"{name}.weight", h * (cols // t), 1)]
+        if bias:
+            out.append(LocalParam(f"{name}.bias", h, None, sp))
+        return out
+
     out: list[LocalParam] = []
     for st in stage_layout(model, topology, pp_rank=pp_rank, chunks=chunks, layers_per_stage=layers_per_stage):
-        if st["pre_process"]:
-            out.append(LocalParam("embedding.weight", vocab // t * h, 0))
+        if only_chunk is not None and st["chunk"] != only_chunk:
+            continue
+        pre_p, post_p = st["pre_process"], st["post_process"]
+        if pre_p and model.position == "learned":
             out.append(LocalParam("position", model.seq_len * h, None, sp))
+        if post_p and not (model.tie_embeddings and pre_p):
+            out.append(LocalParam("head_weight", vocab // t * h, 0, False, model.tie_embeddings))
+        if pre_p:
+            out.append(LocalParam("embedding.weight", vocab // t * h, 0))
         for i in st["layers"]:
             pre = f"layers.{i}"
-            out += [
-                LocalParam(f"{pre}.ln1.weight", h, None, sp), LocalParam(f"{pre}.ln1.bias", h, None, sp),
-                LocalParam(f"{pre}.attn.qkv.weight", 3 * h // t * h, 0), LocalParam(f"{pre}.attn.qkv.bias", 3 * h // t, 0),
-                LocalParam(f"{pre}.attn.proj.weight", h * (h // t), 1), LocalParam(f"{pre}.attn.proj.bias", h, None, sp),
-                LocalParam(f"{pre}.ln2.weight", h, None, sp), LocalParam(f"{pre}.ln2.bias", h, None, sp),
-                LocalParam(f"{pre}.mlp.fc1.weight", ffn // t * h, 0), LocalParam(f"{pre}.mlp.fc1.bias", ffn // t, 0),
-                LocalParam(f"{pre}.mlp.fc2.weight", h * (ffn // t), 1), LocalParam(f"{pre}.mlp.fc2.bias", h, None, sp),
-            ]
-        if st["post_process"]:
-            out += [LocalParam("final_ln.weight", h, None, sp), LocalParam("final_ln.bias", h, None, sp)]
-            if not (model.tie_embeddings and st["pre_process"]):
-                out.append(LocalParam("head_weight", vocab // t * h, 0, False, model.tie_embeddings))
+            out += norm(f"{pre}.ln1")
+            if model.grouped:
+                out += column(f"{pre}.attn.q", model.heads * d)
+                out += column(f"{pre}.attn.kv", 2 * model.num_kv_heads * d, model.kv_replicas(t))
+            else:
+                out += column(f"{pre}.attn.qkv", 3 * h)
+            out += row(f"{pre}.attn.proj", h)
+            out += norm(f"{pre}.ln2")
+            if model.mlp == "gelu":
+                out += column(f"{pre}.mlp.fc1", ffn)
+            elif model.gate_up_fused:
+                out += column(f"{pre}.mlp.fc1", 2 * ffn)
+            else:
+                out += column(f"{pre}.mlp.gate", ffn) + column(f"{pre}.mlp.up", ffn)
+            out += row(f"{pre}.mlp.fc2", ffn)
+        if post_p:
+            out += norm("final_ln")
     return out
+
+
+def total_parameters(model: GPTConfig) -> int:
+    """Parameters of the whole (serial) model, the tied output head counted once."""
+    return sum(q.numel for q in local_parameters(model, Topology(), pp_rank=0))

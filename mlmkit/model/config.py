@@ -1,11 +1,23 @@
-"""GPTConfig: the model's sizes, validated on construction."""
+"""GPTConfig: the model's sizes and building blocks, validated on construction (pure Python).
+
+The defaults are GPT-2 (LayerNorm, GELU MLP, learned positions, biases, tied embeddings, full
+multi-head attention). The options select the blocks of Llama-, Mistral- and Qwen-style models:
+RMSNorm, SwiGLU, rotary positions, grouped-query attention, no biases, untied embeddings.
+:func:`llama_config` is a tiny Llama-style model; :mod:`mlmkit.model.presets` has the shapes of
+published models (for the estimator and planner; nothing is allocated).
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
-__all__ = ["GPTConfig", "reject_unknown_keys", "tiny_config"]
+__all__ = ["ATTENTIONS", "MLPS", "NORMS", "POSITIONS", "GPTConfig", "llama_config", "reject_unknown_keys", "tiny_config"]
+
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "swiglu")
+POSITIONS = ("learned", "rope")
+ATTENTIONS = ("sdpa", "eager")
 
 
 def reject_unknown_keys(cls, data: dict) -> None:
@@ -21,13 +33,18 @@ def _positive_int(name: str, value: object) -> None:
         raise ValueError(f"GPTConfig: {name}={value!r} must be an integer >= 1")
 
 
+def _choice(name: str, value: object, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise ValueError(f"GPTConfig: {name}={value!r} is not one of {', '.join(map(repr, options))}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class GPTConfig:
-    """A GPT-2-style decoder (pre-LayerNorm, learned positions, GELU MLP).
+    """A decoder-only Transformer: GPT-2 by default, Llama-style with the options below.
 
     The serial model is ``GPT(config)``; a tensor-parallel one splits ``hidden``, ``heads``,
-    ``ffn_hidden`` and the padded vocabulary over tp, so each must divide by tp
-    (:meth:`check_parallel` says so before any process starts).
+    ``ffn_hidden`` and the padded vocabulary over tp, and the KV heads when ``tp <= kv_heads``
+    (:meth:`check_parallel` says what divides what, before any process starts).
     """
 
     vocab_size: int
@@ -37,11 +54,32 @@ class GPTConfig:
     hidden: int
     """Width ``h`` of the residual stream."""
     heads: int
-    """Attention heads ``a``; ``hidden`` divides by it."""
+    """Attention (query) heads ``a``; ``hidden`` divides by it."""
     layers: int
     """Transformer layers ``L``."""
     ffn_hidden: Optional[int] = None
     """MLP inner width; ``None`` means ``4 * hidden``."""
+    kv_heads: Optional[int] = None
+    """Key/value heads (grouped-query attention; 1: multi-query). ``None``: ``heads`` (full
+    multi-head attention). ``heads`` divides by it; query heads ``h * heads/kv_heads`` share one."""
+    norm: str = "layernorm"
+    """``"layernorm"`` (GPT-2) or ``"rmsnorm"`` (Llama)."""
+    mlp: str = "gelu"
+    """``"gelu"``: ``fc2(gelu(fc1 x))``; ``"swiglu"``: ``fc2(silu(gate x) * up x)`` (Llama)."""
+    gate_up_fused: bool = True
+    """SwiGLU only: gate and up projections in one column-parallel matrix ``fc1`` (each rank holds
+    matching halves), else two (``gate``, ``up``). The same function either way."""
+    position: str = "learned"
+    """``"learned"`` position embeddings (GPT-2) or ``"rope"`` rotary embeddings (Su et al. 2021)."""
+    rope_theta: float = 10000.0
+    """Base of the rotary frequencies (Llama 3: 500000)."""
+    bias: bool = True
+    """Biases in the linear layers and LayerNorms (Llama: none)."""
+    attention: str = "sdpa"
+    """``"sdpa"``: ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient
+    kernels where the device has them; no s x s scores kept); ``"eager"``: explicit softmax(QK^T)V.
+    Attention dropout in training always takes the eager path (its masks come from mlmkit's
+    tensor-parallel random streams)."""
     dropout: float = 0.0
     """Dropout on embeddings, attention probabilities and both residual branches."""
     tie_embeddings: bool = True
@@ -55,21 +93,35 @@ class GPTConfig:
     """As in Megatron-LM: the vocabulary is padded to a multiple of this times tp. Megatron's default
     is 128 (GPU-friendly shapes); 1 keeps shard tables of tiny teaching models readable."""
     layernorm_eps: float = 1e-5
+    """Epsilon of the normalisation layers (LayerNorm or RMSNorm)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "hidden", "heads", "layers", "make_vocab_size_divisible_by"):
             _positive_int(name, getattr(self, name))
         if self.ffn_hidden is not None:
             _positive_int("ffn_hidden", self.ffn_hidden)
+        if self.kv_heads is not None:
+            _positive_int("kv_heads", self.kv_heads)
+            if self.heads % self.kv_heads:
+                raise ValueError(f"GPTConfig: heads={self.heads} is not divisible by kv_heads={self.kv_heads}; "
+                                 f"each key/value head serves an equal group of query heads")
         if self.hidden % self.heads:
             raise ValueError(f"GPTConfig: hidden={self.hidden} is not divisible by heads={self.heads}")
+        _choice("norm", self.norm, NORMS)
+        _choice("mlp", self.mlp, MLPS)
+        _choice("position", self.position, POSITIONS)
+        _choice("attention", self.attention, ATTENTIONS)
+        if self.position == "rope" and self.head_dim % 2:
+            raise ValueError(f"GPTConfig: rotary positions need an even head dimension, got hidden/heads = "
+                             f"{self.head_dim}")
+        for name in ("tie_embeddings", "bias", "gate_up_fused"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"GPTConfig: {name}={getattr(self, name)!r} must be true or false (a bool)")
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig: dropout={self.dropout!r} must be a number in [0, 1)")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"GPTConfig: seed={self.seed!r} must be an integer >= 0")
-        if not isinstance(self.tie_embeddings, bool):
-            raise ValueError(f"GPTConfig: tie_embeddings={self.tie_embeddings!r} must be true or false (a bool)")
-        for name in ("init_std", "layernorm_eps"):
+        for name in ("init_std", "layernorm_eps", "rope_theta"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"GPTConfig: {name}={v!r} must be a number > 0")
@@ -81,6 +133,21 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads if self.kv_heads is not None else self.heads
+
+    @property
+    def grouped(self) -> bool:
+        """Grouped-query (or multi-query) attention: fewer key/value heads than query heads."""
+        return self.num_kv_heads < self.heads
+
+    def kv_replicas(self, tp: int) -> int:
+        """TP ranks that hold each key/value head: 1 when the heads split (``tp <= kv_heads``),
+        ``tp / kv_heads`` when they are replicated (``tp > kv_heads``, as in Megatron-LM)."""
+        kv = self.num_kv_heads
+        return tp // kv if tp > kv else 1
 
     def padded_vocab(self, tp: int = 1) -> int:
         """Vocabulary padded to a multiple of ``make_vocab_size_divisible_by * tp``."""
@@ -96,6 +163,12 @@ class GPTConfig:
                     f"{name}={value} is not divisible by tp={tp}: tensor parallelism splits {name} "
                     f"evenly across ranks; pick tp among the divisors of {value}."
                 )
+        kv = self.num_kv_heads
+        if kv % tp and tp % kv:
+            raise ValueError(
+                f"kv_heads={kv} and tp={tp}: key/value heads are split over tp when tp divides them and "
+                f"replicated when they divide tp; pick tp among the divisors or multiples of {kv}."
+            )
         if sequence_parallel and self.seq_len % tp:
             raise ValueError(f"sequence parallelism: seq_len={self.seq_len} is not divisible by tp={tp}")
         stages = pp * chunks
@@ -117,5 +190,15 @@ class GPTConfig:
 def tiny_config(**overrides) -> GPTConfig:
     """The teaching model of the tests and notebooks: 2 layers, hidden 64, 4 heads, vocab 101, seq 16."""
     base = dict(vocab_size=101, seq_len=16, hidden=64, heads=4, layers=2)
+    base.update(overrides)
+    return GPTConfig(**base)
+
+
+def llama_config(**overrides) -> GPTConfig:
+    """A tiny Llama-style model (byte vocabulary): RMSNorm, SwiGLU, rotary positions, 4 query heads
+    sharing 2 key/value heads, no biases, untied embeddings; 4 layers, hidden 64, seq 32."""
+    base = dict(vocab_size=256, seq_len=32, hidden=64, heads=4, kv_heads=2, layers=4, ffn_hidden=176,
+                norm="rmsnorm", mlp="swiglu", position="rope", rope_theta=10000.0, bias=False,
+                tie_embeddings=False)
     base.update(overrides)
     return GPTConfig(**base)

@@ -18,40 +18,42 @@ Korthikanti et al. 2022 (sequence parallelism); Narayanan et al. 2021 (pipeline 
 
 from __future__ import annotations
 
-import math
-import zlib
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from mlmkit.distributed import CommGroup
+from mlmkit.model.blocks import (
+    RECOMPUTE,
+    ParallelAttention,
+    ParallelMLP,
+    TransformerLayer,
+    make_norm,
+    rotary_cos_sin,
+    seeded_normal,
+)
 from mlmkit.model.config import GPTConfig
 from mlmkit.tensor_parallel.comm import copy_to_tp, gather_from_sequence, gather_from_tp
 from mlmkit.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from mlmkit.tensor_parallel.layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    divide,
-    mark_parameter,
-)
+from mlmkit.tensor_parallel.layers import VocabParallelEmbedding, mark_parameter
 from mlmkit.tensor_parallel.random import TPRandomState, dropout
 
-__all__ = ["GPT", "ParallelAttention", "ParallelMLP", "Stage", "TransformerLayer", "seeded_normal", "split_layers"]
+__all__ = ["GPT", "ParallelAttention", "ParallelMLP", "Stage", "TransformerLayer", "recompute_mode",
+           "seeded_normal", "split_layers"]
 
 
-def seeded_normal(seed: int, name: str, std: float):
-    """An initialiser: ``shape -> N(0, std^2)`` drawn from a generator seeded by (seed, name)."""
-
-    def init(shape: Sequence[int]) -> torch.Tensor:
-        g = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
-        return torch.randn(*shape, generator=g) * std
-
-    return init
+def recompute_mode(recompute: Union[bool, str]) -> str:
+    """``"none"``, ``"selective"`` or ``"full"`` (``True``/``False`` mean full/none, the old flag)."""
+    if recompute is True:
+        return "full"
+    if recompute is False or recompute is None:
+        return "none"
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r}: expected one of {', '.join(RECOMPUTE)} (or a bool: full/none)")
+    return recompute
 
 
 def _single_group() -> CommGroup:
@@ -102,152 +104,20 @@ def split_layers(num_layers: int, num_stages: int,
     return out
 
 
-# ------------------------------------------------------------------------------------- building blocks
-class LayerNorm(nn.LayerNorm):
-    """LayerNorm whose (replicated) parameters carry mlmkit's sharding metadata."""
-
-    def __init__(self, hidden: int, *, eps: float, sequence_parallel: bool, device=None):
-        super().__init__(hidden, eps=eps, device=device)
-        for p in (self.weight, self.bias):
-            mark_parameter(p, split_dim=None, global_shape=(hidden,), sequence_parallel=sequence_parallel)
-
-
-class ParallelAttention(nn.Module):
-    """Causal self-attention with heads split across TP ranks (Shoeybi et al. 2019, figure 3b).
-
-    forward: ``[s, b, h]`` (``[s/t, b, h]`` with SP) -> QKV column-parallel ``[s, b, 3h/t]`` -> each
-    rank attends with its ``a/t`` heads -> output projection row-parallel -> ``[s, b, h]``
-    (``[s/t, b, h]``). One f/g pair: an all-reduce in backward (QKV input) and one in forward
-    (projection output). The fused QKV weight is laid out per head ``[a, 3, d]`` so that a
-    contiguous split gives each rank whole heads.
-    """
-
-    def __init__(self, config: GPTConfig, *, layer: int, tp: CommGroup, sequence_parallel: bool,
-                 rng: TPRandomState, device=None):
-        super().__init__()
-        h, name = config.hidden, f"layers.{layer}.attn"
-        self.heads_local = divide(config.heads, tp.size, what="heads")
-        self.head_dim, self.dropout_p, self.rng, self.sp = config.head_dim, config.dropout, rng, sequence_parallel
-        out_std = config.init_std / math.sqrt(2 * config.layers)
-        self.qkv = ColumnParallelLinear(h, 3 * h, tp=tp, sequence_parallel=sequence_parallel, site=f"{name}.qkv",
-                                        init=seeded_normal(config.seed, f"{name}.qkv.weight", config.init_std),
-                                        device=device)
-        self.proj = RowParallelLinear(h, h, tp=tp, sequence_parallel=sequence_parallel, site=f"{name}.proj",
-                                      init=seeded_normal(config.seed, f"{name}.proj.weight", out_std),
-                                      device=device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv(x)                                              # [s, b, 3h/t]
-        s, b, _ = qkv.shape
-        qkv = qkv.view(s, b, self.heads_local, 3, self.head_dim)        # [s, b, a/t, 3, d]
-        q, k, v = (qkv[:, :, :, i].permute(1, 2, 0, 3) for i in range(3))  # each [b, a/t, s, d]
-        scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)     # [b, a/t, s, s]
-        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
-        probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1)
-        # Heads are split: each TP rank drops different entries (tensor-parallel stream).
-        probs = dropout(probs, self.dropout_p, generator=self.rng.tensor_parallel, training=self.training)
-        ctx = (probs @ v).permute(2, 0, 1, 3).reshape(s, b, -1)        # [s, b, h/t]
-        out = self.proj(ctx)                                            # [s, b, h] or [s/t, b, h]
-        gen = self.rng.tensor_parallel if self.sp else self.rng.replicated
-        return dropout(out, self.dropout_p, generator=gen, training=self.training)
-
-
-class ParallelMLP(nn.Module):
-    """``fc2(gelu(fc1(x)))`` with fc1 column-parallel and fc2 row-parallel (Shoeybi et al. 2019, fig. 3a).
-
-    forward: ``[s, b, h] -> [s, b, ffn/t] -> [s, b, h]``; the GELU needs no communication because
-    each rank holds whole columns of fc1's output. One f/g pair as in attention.
-    """
-
-    def __init__(self, config: GPTConfig, *, layer: int, tp: CommGroup, sequence_parallel: bool,
-                 rng: TPRandomState, device=None):
-        super().__init__()
-        h, name = config.hidden, f"layers.{layer}.mlp"
-        self.dropout_p, self.rng, self.sp = config.dropout, rng, sequence_parallel
-        out_std = config.init_std / math.sqrt(2 * config.layers)
-        self.fc1 = ColumnParallelLinear(h, config.ffn, tp=tp, sequence_parallel=sequence_parallel,
-                                        site=f"{name}.fc1", device=device,
-                                        init=seeded_normal(config.seed, f"{name}.fc1.weight", config.init_std))
-        self.fc2 = RowParallelLinear(config.ffn, h, tp=tp, sequence_parallel=sequence_parallel,
-                                     site=f"{name}.fc2", device=device,
-                                     init=seeded_normal(config.seed, f"{name}.fc2.weight", out_std))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.fc2(F.gelu(self.fc1(x)))
-        gen = self.rng.tensor_parallel if self.sp else self.rng.replicated
-        return dropout(y, self.dropout_p, generator=gen, training=self.training)
-
-
-class _KeepInput(torch.autograd.Function):
-    """Identity that saves its input for backward, as recomputation does. It makes the one tensor a
-    recomputed layer keeps visible to saved-tensor hooks (memory accounting), at no numerical cost."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
-class TransformerLayer(nn.Module):
-    """Pre-LayerNorm block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``. Shape kept: ``[s, b, h]``."""
-
-    def __init__(self, config: GPTConfig, *, layer: int, tp: CommGroup, sequence_parallel: bool,
-                 rng: TPRandomState, recompute: bool = False, device=None):
-        super().__init__()
-        self.rng, self.recompute = rng, recompute
-        kw = dict(eps=config.layernorm_eps, sequence_parallel=sequence_parallel, device=device)
-        self.ln1 = LayerNorm(config.hidden, **kw)
-        self.attn = ParallelAttention(config, layer=layer, tp=tp, sequence_parallel=sequence_parallel,
-                                      rng=rng, device=device)
-        self.ln2 = LayerNorm(config.hidden, **kw)
-        self.mlp = ParallelMLP(config, layer=layer, tp=tp, sequence_parallel=sequence_parallel, rng=rng,
-                               device=device)
-
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (self.recompute and self.training and torch.is_grad_enabled()):
-            return self._forward(x)
-        # Activation recomputation (Chen et al. 2016; Korthikanti et al. 2022 "full" recompute per
-        # layer): keep only the layer input, run the layer again during backward. The dropout
-        # streams are rewound for the rerun so it draws the same masks.
-        state = self.rng.get_state()
-        calls = []
-
-        def run(inp: torch.Tensor) -> torch.Tensor:
-            if calls:  # recomputation during backward
-                now = self.rng.get_state()
-                self.rng.set_state(state)
-                try:
-                    return self._forward(inp)
-                finally:
-                    self.rng.set_state(now)
-            calls.append(1)
-            return self._forward(inp)
-
-        # No early stop: the rerun repeats the whole layer, its two forward collectives included,
-        # so communication stays predictable (mlmkit.estimate counts them).
-        with set_checkpoint_early_stop(False):
-            return checkpoint(run, _KeepInput.apply(x), use_reentrant=False)
-
-
 # ------------------------------------------------------------------------------------------ the model
 class GPT(nn.Module):
     """One pipeline stage of a tensor-parallel GPT (the whole serial model by default).
 
     Args:
-        config: model sizes.
+        config: model sizes and blocks.
         tp: the tensor-parallel group (``None``: serial, tp=1).
         stage: which layers and ends this module holds (``None``: the whole model).
         sequence_parallel: split LayerNorm and dropout regions along the sequence.
-        recompute: recompute each Transformer layer in backward instead of keeping its activations.
+        recompute: ``"none"``, ``"selective"`` (the attention core) or ``"full"`` (each layer) is
+            recomputed in backward instead of keeping its activations (``True``: full).
         device: where parameters live.
+        dtype: parameter and compute dtype (e.g. ``torch.bfloat16``; weights are initialised in
+            fp32 and cast).
 
     forward(x, targets=None):
         first stage: ``x`` are token ids ``[b, s]``; other stages: hidden states ``[s, b, h]``
@@ -258,8 +128,9 @@ class GPT(nn.Module):
     """
 
     def __init__(self, config: GPTConfig, *, tp: Optional[CommGroup] = None, stage: Optional[Stage] = None,
-                 sequence_parallel: bool = False, recompute: bool = False, device=None):
+                 sequence_parallel: bool = False, recompute: Union[bool, str] = False, device=None, dtype=None):
         super().__init__()
+        recompute = recompute_mode(recompute)
         tp = tp or _single_group()
         stage = stage or Stage.whole(config)
         config.check_parallel(tp=tp.size, sequence_parallel=sequence_parallel)
@@ -273,16 +144,17 @@ class GPT(nn.Module):
             self.embedding = VocabParallelEmbedding(
                 self.padded_vocab, h, tp=tp, vocab_size=config.vocab_size, sequence_parallel=sp,
                 init=self._word_init(), site="embedding.word", device=device)
-            pos = seeded_normal(config.seed, "embedding.position", config.init_std)((config.seq_len, h))
-            self.position = mark_parameter(nn.Parameter(pos.to(device)), split_dim=None,
-                                           global_shape=(config.seq_len, h), sequence_parallel=sp)
+            if config.position == "learned":
+                pos = seeded_normal(config.seed, "embedding.position", config.init_std)((config.seq_len, h))
+                self.position = mark_parameter(nn.Parameter(pos.to(device)), split_dim=None,
+                                               global_shape=(config.seq_len, h), sequence_parallel=sp)
         self.layers = nn.ModuleDict({
             str(i): TransformerLayer(config, layer=i, tp=tp, sequence_parallel=sp, rng=self.rng,
                                      recompute=recompute, device=device)
             for i in stage.layers
         })
         if stage.post_process:
-            self.final_ln = LayerNorm(h, eps=config.layernorm_eps, sequence_parallel=sp, device=device)
+            self.final_ln = make_norm(config, sequence_parallel=sp, device=device)
             if not (config.tie_embeddings and stage.pre_process):
                 # Untied head, or the last stage's copy of the tied word embedding (kept in sync by
                 # summing its gradient with the first stage's over the embedding group).
@@ -294,6 +166,8 @@ class GPT(nn.Module):
                                                   global_shape=(self.padded_vocab, h))
                 self.head_weight.shared_embedding = config.tie_embeddings
         self._mark_vocab_rows()
+        if dtype is not None:
+            self.to(dtype)
 
     # ------------------------------------------------------------------ helpers
     def _word_init(self):
@@ -324,11 +198,12 @@ class GPT(nn.Module):
         if s > self.config.seq_len:
             raise ValueError(f"sequence length {s} exceeds GPTConfig.seq_len={self.config.seq_len}")
         x = self.embedding(tokens)
-        pos = self.position[:s]
-        if self.sequence_parallel and self.tp.size > 1:
-            n = s // self.tp.size
-            pos = pos[self.tp.rank * n:(self.tp.rank + 1) * n]
-        x = x + pos.unsqueeze(1)
+        if self.config.position == "learned":
+            pos = self.position[:s]
+            if self.sequence_parallel and self.tp.size > 1:
+                n = s // self.tp.size
+                pos = pos[self.tp.rank * n:(self.tp.rank + 1) * n]
+            x = x + pos.unsqueeze(1)
         gen = self.rng.tensor_parallel if self.sequence_parallel else self.rng.replicated
         return dropout(x, self.config.dropout, generator=gen, training=self.training)
 
@@ -360,14 +235,26 @@ class GPT(nn.Module):
                 ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
         if self.stage.pre_process:
             x = self.embed(x)
+        rotary = self.rotary(self._sequence_length(x)) if self.config.position == "rope" else None
         for layer in self.layers.values():
-            x = layer(x)
+            x = layer(x, rotary)
         if not self.stage.post_process:
             return x
         logits = self.head(x)
         if targets is None:
             return logits
         return self.loss(logits, targets, ignore_index=ignore_index, reduction=reduction)
+
+    def _sequence_length(self, hidden: torch.Tensor) -> int:
+        # [s, b, h], or [s/t, b, h] with sequence parallelism (attention sees the gathered sequence)
+        return hidden.shape[0] * (self.tp.size if self.sequence_parallel else 1)
+
+    def rotary(self, s: int, positions: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[s, d]`` of the rotary angles of ``positions`` (default ``0..s-1``)."""
+        if positions is None:
+            positions = torch.arange(s, device=self.embedding.weight.device if self.stage.pre_process
+                                     else next(self.parameters()).device)
+        return rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
 
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Local ``[s, b, V/t]`` -> full ``[b, s, vocab_size]`` (padding dropped). For inspection and tests."""

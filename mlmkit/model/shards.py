@@ -16,8 +16,10 @@ def shard_table(model: nn.Module, *, rank: Optional[int] = None):
     """One row per parameter of ``model`` on this rank, as a pandas DataFrame.
 
     Columns: ``name``, ``local_shape``, ``global_shape``, ``split_dim`` (``<NA>``: replicated on every
-    TP rank), ``tp_rank``/``tp_size``, ``sequence_parallel`` (gradient summed over TP after backward),
-    ``numel`` and ``bytes`` held here.
+    TP rank), ``partitions`` (blocks of the split dimension split separately, e.g. SwiGLU's gate and
+    up), ``replicas`` (TP ranks holding the same shard, e.g. key/value heads when tp > kv_heads),
+    ``tp_rank``/``tp_size``, ``sequence_parallel`` (gradient summed over TP after backward),
+    ``numel``, ``dtype`` and ``bytes`` held here.
     """
     import pandas as pd
 
@@ -30,10 +32,13 @@ def shard_table(model: nn.Module, *, rank: Optional[int] = None):
             "local_shape": tuple(p.shape),
             "global_shape": tuple(getattr(p, "global_shape", tuple(p.shape))),
             "split_dim": getattr(p, "tp_split_dim", None),
+            "partitions": getattr(p, "tp_partitions", 1),
+            "replicas": getattr(p, "tp_replicas", 1),
             "tp_rank": tp.rank if tp is not None else 0,
             "tp_size": tp.size if tp is not None else 1,
             "sequence_parallel": bool(getattr(p, "sequence_parallel", False)),
             "numel": p.numel(),
+            "dtype": str(p.dtype).replace("torch.", ""),
             "bytes": p.numel() * p.element_size(),
         })
     df = pd.DataFrame(rows)
@@ -47,16 +52,20 @@ def gather_full(model: nn.Module, *, grads: bool = False) -> dict[str, torch.Ten
     Collective over the model's TP group. Vocabulary padding rows are dropped, so the result has the
     same shapes whatever the TP degree (compare it with the serial model's ``named_parameters``).
     """
+    from mlmkit.tensor_parallel.layers import param_grad, unshard
+
     tp: CommGroup = model.tp
     out = {}
     for name, p in model.named_parameters():
-        t = p.grad if grads else p.detach()
+        t = param_grad(p) if grads else p.detach()
         if t is None:
             t = torch.zeros_like(p)
         t = t.detach()
         dim = getattr(p, "tp_split_dim", None)
         if dim is not None and tp.size > 1:
-            t = tp.all_gather(t.contiguous(), dim=dim, site="gather_full")
+            gathered = tp.all_gather(t.contiguous(), dim=dim, site="gather_full")
+            t = unshard(gathered.chunk(tp.size, dim=dim), dim=dim, partitions=getattr(p, "tp_partitions", 1),
+                        replicas=getattr(p, "tp_replicas", 1))
         rows = getattr(p, "vocab_rows", None)
         if rows is not None:
             t = t[:rows]

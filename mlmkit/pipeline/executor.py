@@ -19,8 +19,8 @@ What an action does on this rank (``c`` = chunk, ``mb`` = microbatch, ``m`` micr
 - ``W``: weight gradients of a split backward (``torch.autograd.backward(..., inputs=params)``).
 
 After the last action, :meth:`PipelineExecutor.finalize` (collective) sums the gradients of
-sequence-parallel parameters over TP and the tied word embedding's gradient between the first and
-last stage (embedding group). It is separate from the actions so that a driver stepping ranks in
+sequence-parallel parameters over TP, of key/value heads replicated over TP ranks, and the tied
+word embedding's gradient between the first and last stage (embedding group). It is separate from the actions so that a driver stepping ranks in
 lockstep never calls a collective on one stage while another still has actions to run.
 
 Two ways to communicate (``batch_p2p``):
@@ -56,16 +56,17 @@ from mlmkit.model import GPT, GPTConfig, Stage, split_layers
 from mlmkit.pipeline.batching import BatchPlan, Step, plan_batches
 from mlmkit.pipeline.schedule import COMPUTE, Action, Schedule, ScheduleError
 from mlmkit.pipeline.validate import validate
-from mlmkit.tensor_parallel import sync_sequence_parallel_grads
+from mlmkit.tensor_parallel import param_grad, sync_replicated_grads, sync_sequence_parallel_grads
 
 __all__ = ["PipelineExecutor", "StepState", "build_model_chunks", "sync_embedding_grads"]
 
 def build_model_chunks(config: GPTConfig, *, groups: ProcessGroups, chunks: int = 1,
                        layers_per_stage: Optional[Sequence[int]] = None,
-                       sequence_parallel: bool = False, recompute: bool = False) -> list[GPT]:
+                       sequence_parallel: bool = False, recompute=False, dtype=None) -> list[GPT]:
     """This rank's model chunks: chunk ``c`` is virtual stage ``c * p + pp_rank`` of ``p * chunks``.
 
-    ``layers_per_stage`` lists the layer count of each virtual stage (default: as even as possible).
+    ``layers_per_stage`` lists the layer count of each virtual stage (default: as even as possible);
+    ``recompute``: "none", "selective" or "full"; ``dtype``: parameter and compute dtype.
     """
     p, r = groups.topology.pp, groups.coords.pp
     config.check_parallel(tp=groups.tp.size, pp=p, chunks=chunks, sequence_parallel=sequence_parallel)
@@ -76,7 +77,7 @@ def build_model_chunks(config: GPTConfig, *, groups: ProcessGroups, chunks: int 
         stage = Stage(layers=layout[vs], pre_process=vs == 0, post_process=vs == p * chunks - 1,
                       index=vs, pp_rank=r)
         out.append(GPT(config, tp=groups.tp, stage=stage, sequence_parallel=sequence_parallel,
-                       recompute=recompute, device=groups.device))
+                       recompute=recompute, device=groups.device, dtype=dtype))
     return out
 
 
@@ -93,9 +94,9 @@ def sync_embedding_grads(chunks: Sequence[GPT], embedding: Optional[CommGroup]) 
         if not model.config.tie_embeddings:
             return
         for p in model.vocab_parameters():
-            if p.grad is None:
+            if param_grad(p) is None:
                 p.grad = torch.zeros_like(p)
-            embedding.all_reduce(p.grad, site="embedding_grads", phase="backward")
+            embedding.all_reduce(param_grad(p), site="embedding_grads", phase="backward")
 
 
 @dataclass
@@ -148,6 +149,7 @@ class PipelineExecutor:
         if len(chunks) != schedule.chunks:
             raise ScheduleError(f"schedule has chunks={schedule.chunks} but this rank holds {len(chunks)} model chunks")
         self.schedule, self.chunks, self.groups = schedule, list(chunks), groups
+        self.dtype = next(self.chunks[0].parameters()).dtype     # of activations and their messages
         self.pp_rank = groups.coords.pp
         self.actions: tuple[Action, ...] = schedule.actions[self.pp_rank]
         self.tracer = tracer if tracer is not None else groups.pp.tracer
@@ -319,7 +321,7 @@ class PipelineExecutor:
         key = self._key(a)
         if key in self._recv:
             return
-        buf = torch.empty(self._shape(), device=self.groups.device)
+        buf = torch.empty(self._shape(), dtype=self.dtype, device=self.groups.device)
         work = dist.irecv(buf, src=self._peer(a), group=self.groups.pp.pg, tag=self._tag(key))
         self._recv[key] = (buf, work, time.perf_counter())
 
@@ -330,7 +332,7 @@ class PipelineExecutor:
         for i in step.actions:
             a = self.actions[i]
             if a.kind.startswith("RECV"):
-                buf = torch.empty(self._shape(), device=self.groups.device)
+                buf = torch.empty(self._shape(), dtype=self.dtype, device=self.groups.device)
                 ops.append(dist.P2POp(dist.irecv, buf, self._peer(a), self.groups.pp.pg))
                 recvs.append((a, buf))
             else:
@@ -445,4 +447,5 @@ class PipelineExecutor:
         self._held.clear()
         for model in self.chunks:
             sync_sequence_parallel_grads(model, self.groups.tp)
+            sync_replicated_grads(model, self.groups.tp)
         sync_embedding_grads(self.chunks, self.groups.embedding)

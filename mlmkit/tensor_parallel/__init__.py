@@ -21,13 +21,17 @@ from mlmkit.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    param_grad,
+    shard_full,
+    sync_replicated_grads,
     sync_sequence_parallel_grads,
+    unshard,
 )
 from mlmkit.tensor_parallel.random import TPRandomState, dropout
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "TPRandomState",
-    "copy_to_tp", "dropout", "gather_from_sequence", "gather_from_tp", "reduce_from_tp",
-    "reduce_scatter_to_sequence", "scatter_to_sequence", "scatter_to_tp",
-    "sync_sequence_parallel_grads", "vocab_parallel_cross_entropy",
+    "copy_to_tp", "dropout", "gather_from_sequence", "gather_from_tp", "param_grad", "reduce_from_tp",
+    "reduce_scatter_to_sequence", "scatter_to_sequence", "scatter_to_tp", "shard_full",
+    "sync_replicated_grads", "sync_sequence_parallel_grads", "unshard", "vocab_parallel_cross_entropy",
 ]

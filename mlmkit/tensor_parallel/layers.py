@@ -1,12 +1,21 @@
 """Megatron-LM's tensor-parallel layers: column- and row-parallel linears, vocab-parallel embedding.
 
-Every parameter these layers create carries three attributes that the rest of mlmkit reads
-(shard tables, gradient gathering in tests, checkpoint resharding, gradient clipping):
+Every parameter these layers create carries attributes that the rest of mlmkit reads (shard
+tables, gradient gathering in tests, checkpoint resharding, gradient clipping):
 
 - ``tp_split_dim``: the dimension split across the TP group (``None``: replicated on every TP rank);
+- ``tp_partitions``: that dimension is made of this many equal blocks, each split over the group
+  (a fused SwiGLU ``[gate; up]`` weight: each rank holds matching halves of both), default 1;
+- ``tp_replicas``: this many consecutive TP ranks hold the same shard (key/value heads when
+  tp > kv_heads, as Megatron-LM does); their gradients are summed after backward
+  (:func:`sync_replicated_grads`), default 1;
 - ``global_shape``: the shape of the full, unsplit parameter;
 - ``sequence_parallel``: ``True`` for replicated parameters applied to sequence shards, whose
   gradients must be summed over the TP group after backward (:func:`sync_sequence_parallel_grads`).
+
+:func:`shard_full` and :func:`unshard` turn a full tensor into a rank's shard and back; the model,
+the shard gathering and the checkpoints all use them. A parameter's gradient is :func:`param_grad`:
+the fp32 ``main_grad`` under mixed precision, else ``.grad``.
 
 Weights are initialised at full size by an ``init`` callable (deterministic from a seed), then
 sliced, so a model's function does not depend on the TP degree.
@@ -32,8 +41,8 @@ from mlmkit.tensor_parallel.comm import (
 )
 
 __all__ = [
-    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "mark_parameter",
-    "sync_sequence_parallel_grads", "divide",
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "divide", "mark_parameter", "param_grad",
+    "shard_full", "sync_replicated_grads", "sync_sequence_parallel_grads", "unshard",
 ]
 
 Init = Callable[[Sequence[int]], torch.Tensor]
@@ -54,16 +63,45 @@ def _default_init(shape: Sequence[int]) -> torch.Tensor:
 
 
 def mark_parameter(param: nn.Parameter, *, split_dim: Optional[int], global_shape: Sequence[int],
-                   sequence_parallel: bool = False) -> nn.Parameter:
+                   sequence_parallel: bool = False, partitions: int = 1, replicas: int = 1) -> nn.Parameter:
     """Attach mlmkit's sharding metadata to ``param`` (see module docstring)."""
     param.tp_split_dim = split_dim
+    param.tp_partitions = partitions
+    param.tp_replicas = replicas
     param.global_shape = tuple(global_shape)
     param.sequence_parallel = sequence_parallel
     return param
 
 
-def _shard(full: torch.Tensor, dim: int, group: CommGroup) -> torch.Tensor:
-    return full.chunk(group.size, dim=dim)[group.rank].clone()
+def param_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
+    """The gradient the optimizer uses: the fp32 ``main_grad`` under mixed precision, else ``.grad``."""
+    main = getattr(param, "main_grad", None)
+    return main if main is not None else param.grad
+
+
+def shard_full(full: torch.Tensor, *, dim: Optional[int], tp_size: int, tp_rank: int, partitions: int = 1,
+               replicas: int = 1) -> torch.Tensor:
+    """This TP rank's shard of ``full``: along ``dim``, each of the ``partitions`` blocks is cut into
+    ``tp_size / replicas`` pieces and rank ``r`` holds piece ``r // replicas`` of every block."""
+    if dim is None or tp_size == 1:
+        return full
+    shards, idx = tp_size // replicas, tp_rank // replicas
+    blocks = full.chunk(partitions, dim=dim)
+    return torch.cat([b.chunk(shards, dim=dim)[idx] for b in blocks], dim=dim)
+
+
+def unshard(shards: Sequence[torch.Tensor], *, dim: Optional[int], partitions: int = 1,
+            replicas: int = 1) -> torch.Tensor:
+    """The full tensor from every TP rank's shard (in TP rank order): the inverse of :func:`shard_full`."""
+    if dim is None or len(shards) == 1:
+        return shards[0]
+    distinct = [s.chunk(partitions, dim=dim) for s in list(shards)[::replicas]]
+    return torch.cat([torch.cat([d[k] for d in distinct], dim=dim) for k in range(partitions)], dim=dim)
+
+
+def _shard(full: torch.Tensor, dim: int, group: CommGroup, partitions: int = 1, replicas: int = 1) -> torch.Tensor:
+    return shard_full(full, dim=dim, tp_size=group.size, tp_rank=group.rank, partitions=partitions,
+                      replicas=replicas).clone()
 
 
 class ColumnParallelLinear(nn.Module):
@@ -79,26 +117,39 @@ class ColumnParallelLinear(nn.Module):
         tp: the tensor-parallel group. ``init``: full-size weight initialiser.
         gather_output: all-gather the output along the last dim.
         sequence_parallel: input is split along the sequence (Korthikanti et al. 2022).
+        partitions: the output is made of this many blocks, each split over tp (fused projections
+            such as SwiGLU's ``[gate; up]``: each rank holds matching pieces of every block).
+        replicas: this many consecutive TP ranks hold the same output rows (key/value heads when
+            tp > kv_heads); their weight gradients must be summed (:func:`sync_replicated_grads`).
         site: name used in traces and error messages (e.g. ``"layers.0.mlp.fc1"``).
     """
 
     def __init__(self, in_features: int, out_features: int, *, tp: CommGroup, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False,
-                 init: Optional[Init] = None, site: str = "column", device=None):
+                 init: Optional[Init] = None, site: str = "column", device=None, partitions: int = 1,
+                 replicas: int = 1):
         super().__init__()
+        if tp.size % replicas:
+            raise ValueError(f"ColumnParallelLinear '{site}': replicas={replicas} does not divide tp={tp.size}")
         self.in_features, self.out_features = in_features, out_features
         self.tp, self.gather_output, self.sequence_parallel, self.site = tp, gather_output, sequence_parallel, site
-        self.out_local = divide(out_features, tp.size, what=f"{site}: out_features")
+        shards = tp.size // replicas
+        self.out_local = divide(out_features, shards * partitions, what=f"{site}: out_features") * partitions
         full = (init or _default_init)((out_features, in_features))
-        self.weight = mark_parameter(nn.Parameter(_shard(full, 0, tp).to(device)), split_dim=0,
-                                     global_shape=(out_features, in_features))
+        self.weight = mark_parameter(nn.Parameter(_shard(full, 0, tp, partitions, replicas).to(device)), split_dim=0,
+                                     global_shape=(out_features, in_features), partitions=partitions,
+                                     replicas=replicas)
         if bias:
             self.bias = mark_parameter(nn.Parameter(torch.zeros(self.out_local, device=device)),
-                                       split_dim=0, global_shape=(out_features,))
+                                       split_dim=0, global_shape=(out_features,), partitions=partitions,
+                                       replicas=replicas)
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """Enter the tensor-parallel region: f (copy; all-reduce of the gradient in backward), or
+        with sequence parallelism the all-gather along the sequence. Several column-parallel
+        linears reading the same input (q and kv, gate and up) enter once and share it."""
         if x.shape[-1] != self.in_features:
             raise ValueError(
                 f"ColumnParallelLinear '{self.site}' expects input [..., {self.in_features}] on every "
@@ -106,9 +157,13 @@ class ColumnParallelLinear(nn.Module):
                 f"got {list(x.shape)}."
             )
         if self.sequence_parallel:
-            x = gather_from_sequence(x, self.tp, site=self.site)   # [s/t, b, in] -> [s, b, in]
-        else:
-            x = copy_to_tp(x, self.tp, site=self.site)             # [s, b, in], grad all-reduced
+            return gather_from_sequence(x, self.tp, site=self.site)   # [s/t, b, in] -> [s, b, in]
+        return copy_to_tp(x, self.tp, site=self.site)                 # [s, b, in], grad all-reduced
+
+    def forward(self, x: torch.Tensor, *, entered: bool = False) -> torch.Tensor:
+        """``entered``: ``x`` already is :meth:`enter`'s output (shared with another linear)."""
+        if not entered:
+            x = self.enter(x)
         y = F.linear(x, self.weight, self.bias)                    # [s, b, out/t]
         if self.gather_output:
             y = gather_from_tp(y, self.tp, site=self.site)         # [s, b, out]
@@ -221,8 +276,8 @@ def sync_sequence_parallel_grads(module: nn.Module, tp: CommGroup) -> None:
     """
     if tp.size == 1:
         return
-    grads = [p.grad for p in module.parameters()
-             if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    grads = [param_grad(p) for p in module.parameters()
+             if getattr(p, "sequence_parallel", False) and param_grad(p) is not None]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -231,3 +286,28 @@ def sync_sequence_parallel_grads(module: nn.Module, tp: CommGroup) -> None:
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+def sync_replicated_grads(module: nn.Module, tp: CommGroup) -> None:
+    """Sum the gradients of shards held by several TP ranks (``tp_replicas > 1``) over those ranks.
+
+    Key/value heads replicated over ``r = tp / kv_heads`` ranks: each replica computed the weight
+    gradient from its own query heads only, so the true gradient is the sum over the replicas
+    (the input gradient needs nothing more: f's all-reduce already sums every rank's share). One
+    all-reduce over TP of a buffer with one slot per distinct shard (the others are zero).
+    """
+    params = [p for p in module.parameters() if getattr(p, "tp_replicas", 1) > 1 and param_grad(p) is not None]
+    if tp.size == 1 or not params:
+        return
+    slots = [tp.size // p.tp_replicas for p in params]
+    flat = torch.zeros(sum(n * p.numel() for n, p in zip(slots, params)), dtype=param_grad(params[0]).dtype,
+                       device=param_grad(params[0]).device)
+    offset, where = 0, []
+    for n, p in zip(slots, params):
+        start = offset + (tp.rank // p.tp_replicas) * p.numel()
+        flat[start:start + p.numel()] = param_grad(p).reshape(-1)
+        where.append(start)
+        offset += n * p.numel()
+    tp.all_reduce(flat, site="replicated_kv_grads", phase="backward")
+    for p, start in zip(params, where):
+        param_grad(p).copy_(flat[start:start + p.numel()].view_as(p))

@@ -27,6 +27,8 @@ from typing import Iterable
 
 import torch
 
+from mlmkit.tensor_parallel.layers import param_grad
+
 __all__ = ["MEMORY_COLUMNS", "MemoryTracker"]
 
 MEMORY_COLUMNS = ("rank", "time", "action", "microbatch", "chunk", "parameters", "gradients", "optimizer",
@@ -48,7 +50,7 @@ class MemoryTracker:
     Args:
         rank: the global rank, written into every row.
         params: the rank's parameters (all model chunks).
-        optimizer: an object with ``opt`` (a torch optimizer) and optionally ``shard`` (ZeRO-1).
+        optimizer: an mlmkit optimizer (its ``state_tensors()`` are counted).
     """
 
     def __init__(self, *, rank: int, params: Iterable[torch.nn.Parameter], optimizer=None):
@@ -103,21 +105,19 @@ class MemoryTracker:
         return sum(p.numel() * p.element_size() for p in self.params)
 
     def gradient_bytes(self) -> int:
-        return sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
+        """Bytes of the gradients (the fp32 ``main_grad`` buffers under mixed precision)."""
+        total = 0
+        for p in self.params:
+            g = param_grad(p)
+            if g is not None:
+                total += g.numel() * g.element_size()
+        return total
 
     def optimizer_bytes(self) -> int:
-        opt = getattr(self.optimizer, "opt", None)
-        if opt is None:
+        """Bytes the optimizer holds: Adam's moments, master weights (mixed precision), ZeRO-1's shard."""
+        if self.optimizer is None or not hasattr(self.optimizer, "state_tensors"):
             return 0
-        total = 0
-        for state in opt.state.values():
-            for v in state.values():
-                if torch.is_tensor(v) and v.dim() > 0:
-                    total += v.numel() * v.element_size()
-        shard = getattr(self.optimizer, "shard", None)
-        if shard is not None:  # ZeRO-1's fp32 copy of this rank's parameter shard
-            total += shard.numel() * shard.element_size()
-        return total
+        return sum(t.numel() * t.element_size() for t in self.optimizer.state_tensors())
 
     def record(self, *, action: str, microbatch: int = -1, chunk: int = 0) -> None:
         """Append a row for the action that just ended, and reset the activation peak."""

@@ -26,7 +26,16 @@ def _parse(argv):
     p.add_argument("--schedule")
     p.add_argument("--zero1", action="store_true", default=None)
     p.add_argument("--sequence-parallel", action="store_true", default=None)
-    p.add_argument("--recompute", action="store_true", default=None)
+    p.add_argument("--recompute", action="store_true", default=None,
+                   help="recompute activations in backward (each full layer, or --recompute-granularity)")
+    p.add_argument("--recompute-granularity", choices=["selective", "full"],
+                   help="what --recompute reruns: the attention core (selective) or each layer (full)")
+    p.add_argument("--arch", choices=["gpt", "llama"],
+                   help="blocks of the model: GPT-2 (LayerNorm, GELU, learned positions, biases, tied) or "
+                        "Llama (RMSNorm, SwiGLU, rotary positions, no biases, untied); sizes are kept")
+    p.add_argument("--kv-heads", type=int, help="key/value heads (grouped-query attention)")
+    p.add_argument("--precision", choices=["fp32", "bf16"], help="bf16: mixed precision as Megatron-LM")
+    p.add_argument("--grad-reduce", choices=["fp32", "bf16"], help="dtype of the data-parallel gradient reduction")
     p.add_argument("--batch-p2p", action=argparse.BooleanOptionalAction, default=None,
                    help="pipeline sends/receives as planned batches without tags (default: on with NCCL)")
     p.add_argument("--steps", type=int, help="steps to run now (default: up to max_steps)")
@@ -45,12 +54,32 @@ def build_config(args) -> TrainConfig:
     cfg = TrainConfig.from_file(args.config) if args.config else demo_config()
     overrides = {}
     for field in ("tp", "pp", "dp", "chunks", "micro_batch_size", "global_batch_size", "max_steps", "warmup_steps",
-                  "lr", "min_lr", "grad_clip", "weight_decay", "schedule", "zero1", "sequence_parallel", "recompute",
-                  "batch_p2p"):
+                  "lr", "min_lr", "grad_clip", "weight_decay", "schedule", "zero1", "sequence_parallel",
+                  "batch_p2p", "precision", "grad_reduce"):
         value = getattr(args, field)
         if value is not None:
             overrides[field] = value
+    if args.recompute_granularity is not None and not args.recompute:
+        raise SystemExit("python -m mlmkit.train: --recompute-granularity needs --recompute")
+    if args.recompute:
+        overrides["recompute"] = args.recompute_granularity or "full"
+    model = {}
+    if args.arch is not None:
+        model.update(ARCHITECTURES[args.arch])
+        if args.arch == "llama" and cfg.model.kv_heads is None and cfg.model.heads % 2 == 0:
+            model["kv_heads"] = cfg.model.heads // 2          # grouped-query attention by default
+    if args.kv_heads is not None:
+        model["kv_heads"] = args.kv_heads
+    if model:
+        overrides["model"] = model
     return cfg.replace(**overrides) if overrides else cfg
+
+
+#: The blocks ``--arch`` selects (the sizes of the config are kept).
+ARCHITECTURES = {
+    "gpt": dict(norm="layernorm", mlp="gelu", position="learned", bias=True, tie_embeddings=True, kv_heads=None),
+    "llama": dict(norm="rmsnorm", mlp="swiglu", position="rope", bias=False, tie_embeddings=False),
+}
 
 
 def main(argv=None) -> int:
@@ -66,7 +95,11 @@ def main(argv=None) -> int:
     from mlmkit.train.trainer import Trainer
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg.topology.check_world_size(world)
+    try:
+        cfg.topology.check_world_size(world)
+    except ValueError as err:
+        raise SystemExit(f"python -m mlmkit.train: {err} (without torchrun there is 1 process: "
+                         f"add --tp 1 --pp 1 --dp 1)") from None
     rank = int(os.environ.get("RANK", "0"))
     if "MASTER_ADDR" in os.environ:
         init_distributed(rank=rank, world_size=world, init_method="env://")
@@ -80,8 +113,11 @@ def main(argv=None) -> int:
         load_checkpoint(trainer, args.load)
     steps = args.steps if args.steps is not None else cfg.max_steps - trainer.step
     if rank == 0:
+        m = cfg.model
         print(f"mlmkit.train: {cfg.topology!r}, schedule={cfg.schedule}, microbatches={cfg.microbatches}, "
-              f"steps {trainer.step}..{trainer.step + steps - 1}, device={groups.device}", flush=True)
+              f"{m.norm}/{m.mlp}/{m.position}, heads={m.heads} kv_heads={m.num_kv_heads}, precision={cfg.precision}, "
+              f"recompute={cfg.recompute}, steps {trainer.step}..{trainer.step + steps - 1}, device={groups.device}",
+              flush=True)
     for _ in range(steps):
         row = trainer.train_step()
         if rank == 0:

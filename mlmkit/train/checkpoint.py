@@ -46,6 +46,7 @@ from typing import Optional
 
 import torch
 
+from mlmkit.tensor_parallel.layers import shard_full, unshard
 from mlmkit.train.config import TrainConfig
 
 __all__ = ["CheckpointError", "export_state_dict", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
@@ -64,7 +65,8 @@ def _shard_name(tp: int, pp: int) -> str:
 
 def _meta(p) -> dict:
     return {"split_dim": getattr(p, "tp_split_dim", None), "global_shape": list(getattr(p, "global_shape", p.shape)),
-            "vocab_rows": getattr(p, "vocab_rows", None)}
+            "vocab_rows": getattr(p, "vocab_rows", None), "partitions": getattr(p, "tp_partitions", 1),
+            "replicas": getattr(p, "tp_replicas", 1)}
 
 
 def _write_file(path: str, data: bytes) -> None:
@@ -277,11 +279,11 @@ class _Shards:
                 parts.append(sh["params"][name])
             else:
                 st = sh["optimizer"].get(name)
-                if st is None:
+                if st is None or key not in st:
                     return None
                 parts.append(st[key])
-        dim = meta["split_dim"]
-        full = torch.cat(parts, dim=dim) if dim is not None else parts[0]
+        full = unshard(parts, dim=meta["split_dim"], partitions=meta.get("partitions", 1),
+                       replicas=meta.get("replicas", 1))
         if meta["vocab_rows"] is not None:
             full = full[: meta["vocab_rows"]]
         return full
@@ -293,10 +295,8 @@ def _local_slice(full: torch.Tensor, param, tp_size: int, tp_rank: int) -> torch
         padded = param.global_shape[0]
         if full.shape[0] < padded:
             full = torch.cat([full, full.new_zeros(padded - full.shape[0], *full.shape[1:])])
-    dim = getattr(param, "tp_split_dim", None)
-    if dim is not None:
-        full = full.chunk(tp_size, dim=dim)[tp_rank]
-    return full
+    return shard_full(full, dim=getattr(param, "tp_split_dim", None), tp_size=tp_size, tp_rank=tp_rank,
+                      partitions=getattr(param, "tp_partitions", 1), replicas=getattr(param, "tp_replicas", 1))
 
 
 def load_checkpoint(trainer, path: str) -> int:
@@ -315,6 +315,13 @@ def load_checkpoint(trainer, path: str) -> int:
 def _load(trainer, path: str) -> int:
     meta = _read_metadata(path)
     saved_model = meta["config"]["model"]
+    try:   # fill the defaults of fields newer than the checkpoint
+        from mlmkit.model.config import GPTConfig
+
+        saved_model = GPTConfig.from_dict(saved_model).to_dict()
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {path}/metadata.json has a model configuration this version cannot "
+                              f"read: {err}") from None
     mine = trainer.config.model.to_dict()
     diff = sorted(k for k in set(saved_model) | set(mine) if saved_model.get(k) != mine.get(k))
     if diff:
@@ -330,12 +337,13 @@ def _load(trainer, path: str) -> int:
                 raise CheckpointError(f"checkpoint {path} has no parameter {name!r}")
             p.copy_(_local_slice(full, p, tp, tp_rank))
             st = {}
-            for key in ("exp_avg", "exp_avg_sq"):
+            for key in ("exp_avg", "exp_avg_sq", "master"):
                 f = shards.full(name, what="optimizer", key=key)
                 if f is not None:
                     st[key] = _local_slice(f, p, tp, tp_rank).clone()
-            if st:
-                states[name] = st
+            if "master" not in st and full.dtype == torch.float32:
+                st["master"] = _local_slice(full, p, tp, tp_rank).clone()   # an fp32 run's weights are its masters
+            states[name] = st
     opt_step = shards.shard(0, 0)["optimizer_step"]
     trainer.optimizer.params_loaded()
     if states:

@@ -54,8 +54,9 @@ class TrainConfig:
     """Samples per optimizer step over all replicas."""
     sequence_parallel: bool = False
     """Split LayerNorm/dropout regions along the sequence (needs tp > 1 to matter)."""
-    recompute: bool = False
-    """Recompute each Transformer layer in backward (activation checkpointing)."""
+    recompute: str = "none"
+    """Activation recomputation: ``"none"``, ``"selective"`` (the attention core, Korthikanti et al.
+    2022) or ``"full"`` (each Transformer layer). ``True``/``False`` are read as full/none."""
     zero1: bool = False
     """Shard optimizer state over dp (ZeRO-1 / distributed optimizer)."""
     bucket_bytes: int = 25 * 2**20
@@ -89,6 +90,13 @@ class TrainConfig:
     batch_p2p: Optional[bool] = None
     """Pipeline communication as planned batches without tags (NCCL's way); ``None``: on with
     NCCL, off with gloo. See :mod:`mlmkit.pipeline.batching`."""
+    precision: str = "fp32"
+    """``"fp32"``, or ``"bf16"``: Megatron-LM's mixed precision (bf16 parameters and compute, fp32
+    gradients accumulated across microbatches, fp32 master weights and Adam state; loss and
+    softmax in fp32). See :mod:`mlmkit.data_parallel.mixed_precision`."""
+    grad_reduce: str = "fp32"
+    """Dtype of the data-parallel gradient reduction: ``"fp32"`` (Megatron-LM's default) or
+    ``"bf16"`` (half the bytes, bf16 only)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, GPTConfig):
@@ -98,8 +106,20 @@ class TrainConfig:
             _check_int(name, getattr(self, name), minimum=1)
         _check_int("warmup_steps", self.warmup_steps, minimum=0)
         _check_int("seed", self.seed, minimum=0)
-        for name in ("sequence_parallel", "recompute", "zero1", "tracing", "per_token_loss"):
+        for name in ("sequence_parallel", "zero1", "tracing", "per_token_loss"):
             _check_bool(name, getattr(self, name))
+        if isinstance(self.recompute, bool):       # the old flag: full or none
+            object.__setattr__(self, "recompute", "full" if self.recompute else "none")
+        if self.recompute not in ("none", "selective", "full"):
+            raise ValueError(f"TrainConfig: recompute={self.recompute!r} must be 'none', 'selective' (the attention "
+                             f"core) or 'full' (each layer)")
+        if self.precision not in ("fp32", "bf16"):
+            raise ValueError(f"TrainConfig: precision={self.precision!r} must be 'fp32' or 'bf16'")
+        if self.grad_reduce not in ("fp32", "bf16"):
+            raise ValueError(f"TrainConfig: grad_reduce={self.grad_reduce!r} must be 'fp32' or 'bf16'")
+        if self.grad_reduce == "bf16" and self.precision != "bf16":
+            raise ValueError("TrainConfig: grad_reduce='bf16' needs precision='bf16' (fp32 training reduces fp32 "
+                             "gradients)")
         if self.batch_p2p is not None:
             _check_bool("batch_p2p", self.batch_p2p)
         for name in ("lr", "min_lr", "weight_decay", "beta1", "beta2", "eps", "grad_clip"):

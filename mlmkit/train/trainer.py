@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from mlmkit.data_parallel import make_optimizer
+from mlmkit.data_parallel import attach_main_grads, dtype_of, make_optimizer
 from mlmkit.distributed import ProcessGroups
 from mlmkit.pipeline import make_schedule
 from mlmkit.pipeline.executor import PipelineExecutor, build_model_chunks
@@ -51,14 +51,17 @@ class Trainer:
         groups.set_tracer(self.tracer)
         torch.manual_seed(config.seed)
         self.chunks = build_model_chunks(config.model, groups=groups, chunks=config.chunks,
-                                         sequence_parallel=config.sequence_parallel, recompute=config.recompute)
+                                         sequence_parallel=config.sequence_parallel, recompute=config.recompute,
+                                         dtype=dtype_of(config.precision))
         self.schedule = make_schedule(config.schedule, stages=config.pp, microbatches=config.microbatches,
                                       chunks=config.chunks, layers=config.model.layers)
         named = [(n, p) for c in self.chunks for n, p in c.named_parameters()]
+        if config.precision != "fp32":
+            attach_main_grads(p for _, p in named)      # fp32 gradients, accumulated across microbatches
         self.optimizer = make_optimizer(
             named, groups, zero1=config.zero1, bucket_bytes=config.bucket_bytes,
             betas=(config.beta1, config.beta2), eps=config.eps, weight_decay=config.weight_decay,
-            max_grad_norm=config.grad_clip)
+            max_grad_norm=config.grad_clip, grad_reduce_dtype=dtype_of(config.grad_reduce))
         self.memory = (MemoryTracker(rank=groups.rank, params=[p for _, p in named], optimizer=self.optimizer)
                        if config.tracing else None)
         self.executor = PipelineExecutor(schedule=self.schedule, chunks=self.chunks, groups=groups,
@@ -179,7 +182,7 @@ class Trainer:
     def __repr__(self) -> str:
         c = self.config
         return (f"Trainer(rank={self.groups.rank}, {c.topology!r}, schedule={c.schedule}, step={self.step}, "
-                f"zero1={c.zero1}, sp={c.sequence_parallel}, recompute={c.recompute})")
+                f"zero1={c.zero1}, sp={c.sequence_parallel}, recompute={c.recompute}, precision={c.precision})")
 
 
 def traced_step(rank: int, world_size: int, config_dict: dict, warmup_steps: int = 1) -> dict:
