@@ -164,3 +164,18 @@ def test_tp_and_kv_heads_must_divide_one_another():
     with pytest.raises(ValueError, match=r"kv_heads=2 and tp=3"):
         GPTConfig(vocab_size=256, seq_len=12, hidden=48, heads=6, kv_heads=2, layers=2).check_parallel(tp=3)
     llama_config(heads=8, kv_heads=2, hidden=64).check_parallel(tp=8)    # replicated: fine
+
+
+def test_shard_table_finds_the_group_of_a_container():
+    # A ModuleDict (or an MLP) has no tp of its own: the table must still say which rank holds what.
+    from mlmkit.model import shard_table
+    from mlmkit.model.config import llama_config
+    from mlmkit.model.gpt import ParallelMLP
+    from mlmkit.tensor_parallel import TPRandomState
+
+    tp = CommGroup(axis="tp", ranks=[0, 1], global_rank=1, pg=None)
+    mlp = ParallelMLP(llama_config(), layer=0, tp=tp, sequence_parallel=False, rng=TPRandomState(seed=0, tp_rank=1))
+    table = shard_table(torch.nn.ModuleDict({"mlp": mlp}))
+    assert set(table.tp_rank) == {1} and set(table.tp_size) == {2} and set(table["rank"]) == {1}
+    fc1 = table.set_index("name").loc["mlp.fc1.weight"]
+    assert fc1.partitions == 2 and fc1.local_shape == (176, 64) and fc1.global_shape == (352, 64)

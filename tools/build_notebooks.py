@@ -258,9 +258,81 @@ for rank in (0, 1):
 {rank: (v["heads_here"], v["qkv_local"]) for rank, v in att.items()}
 """),
     md("""
+## Grouped-query attention: fewer key/value heads than ranks
+Llama-style models share each key/value head between several query heads (Ainslie et al. 2023).
+Query heads split over tp as before; key/value heads split too when `tp <= kv_heads`, and when
+`tp > kv_heads` each one is **replicated** on the `tp / kv_heads` ranks whose query heads use it,
+as Megatron-LM does. A replica only sees its own query heads' share of the key/value gradient, so
+the replicas' weight gradients are **summed** after backward.
+
+How are Llama 3 70B's 8 KV heads laid out over tp = 16? The planning layer answers without
+allocating anything:
+"""),
+    code("""
+import pandas as pd
+from mlmkit.model.presets import preset
+from mlmkit.estimate import local_parameters
+llama70 = preset("llama3-70b")
+t = 16
+kv = next(p for p in local_parameters(llama70, Topology(tp=t), pp_rank=0) if p.name == "layers.0.attn.kv.weight")
+q_per_rank = llama70.heads // t
+pd.DataFrame([{"tp rank": r, "query heads": f"{r * q_per_rank}-{(r + 1) * q_per_rank - 1}",
+               "kv head held": r // kv.replicas, "kv weight elements": kv.numel} for r in range(t)]).set_index("tp rank").T
+"""),
+    md("Each KV head sits on 2 ranks (`replicas = 16 / 8`), the 8 query heads of a KV group on those 2 ranks. Now on our 2 ranks: multi-query attention (1 KV head, replicated on both) against the serial layer, gradients included."),
+    code("""
+def run_mqa(r):
+    from mlmkit.model.config import llama_config
+    from mlmkit.model.gpt import ParallelAttention
+    from mlmkit.tensor_parallel import TPRandomState, sync_replicated_grads
+    cfg = llama_config(kv_heads=1)                     # 4 query heads, 1 key/value head
+    attn = ParallelAttention(cfg, layer=0, tp=r.groups.tp, sequence_parallel=False,
+                             rng=TPRandomState(seed=0, tp_rank=r.groups.tp.rank))
+    x = torch.randn(32, 2, 64, generator=torch.Generator().manual_seed(2))
+    y = attn(x)
+    y.sum().backward()
+    partial = attn.kv.weight.grad.clone()
+    sync_replicated_grads(attn, r.groups.tp)           # sum over the ranks holding this head
+    return {"out": y.detach(), "kv_shape": tuple(attn.kv.weight.shape), "replicas": attn.kv.weight.tp_replicas,
+            "partial": partial, "kv_grad": attn.kv.weight.grad}
+
+mqa = cluster.run(run_mqa)
+from mlmkit.model.config import llama_config
+serial_mqa = ParallelAttention(llama_config(kv_heads=1), layer=0, tp=CommGroup.single("tp"), sequence_parallel=False,
+                               rng=TPRandomState(seed=0))
+y_ref = serial_mqa(torch.randn(32, 2, 64, generator=torch.Generator().manual_seed(2)))
+y_ref.sum().backward()
+for rank in (0, 1):
+    assert (mqa[rank]["out"] - y_ref.detach()).abs().max() < 1e-5
+    assert (mqa[rank]["kv_grad"] - serial_mqa.kv.weight.grad).abs().max() < 1e-5     # after the sum
+assert (mqa[0]["partial"] - serial_mqa.kv.weight.grad).abs().max() > 1e-4           # before it: a part only
+{rank: (v["kv_shape"], v["replicas"]) for rank, v in mqa.items()}
+"""),
+    md("""
+## SwiGLU: gate and up projections split into matching halves
+`fc2(silu(gate x) * up x)`: the product is elementwise, so rank *i* needs the *same* rows of gate
+and up. With the fused `fc1 = [gate; up]` each half is split over tp separately (`partitions = 2`):
+rank *i* holds `[gate_i; up_i]` and needs no communication before fc2.
+"""),
+    code("""
+def swiglu_shards(r):
+    from mlmkit.model.config import llama_config
+    from mlmkit.model.gpt import ParallelMLP
+    from mlmkit.model import shard_table
+    from mlmkit.tensor_parallel import TPRandomState
+    mlp = ParallelMLP(llama_config(), layer=0, tp=r.groups.tp, sequence_parallel=False,
+                      rng=TPRandomState(seed=0, tp_rank=r.groups.tp.rank))
+    return shard_table(mlp, rank=r.rank)[["rank", "name", "local_shape", "global_shape", "split_dim", "partitions",
+                                          "tp_rank", "tp_size"]]
+
+cluster.run_frame(swiglu_shards)
+"""),
+    md("""
 **Bytes moved.** Per Transformer layer and microbatch: 2 all-reduces forward (attention, MLP) and 2
 backward, each of `[s, b, h]`; a ring all-reduce sends `2(t-1)/t` of the tensor per rank.
 With sequence parallelism they become all-gathers and reduce-scatters of the same total volume.
+Grouped-query attention and SwiGLU change none of this (q and kv, gate and up, share one **f**);
+replicated key/value heads add one gradient sum per step.
 """),
     code("""
 cluster.shutdown()
@@ -474,11 +546,12 @@ sequence-parallel and recompute variants) adapted to what mlmkit's layers store.
     code("""
 import pandas as pd
 from mlmkit.cluster import Cluster
-from mlmkit.estimate import estimate_memory
+from mlmkit.estimate import estimate_train_memory
 from mlmkit.estimate.compare import compare_memory
 from mlmkit.model import GPTConfig
 from mlmkit.train import TrainConfig
-base = TrainConfig(model=GPTConfig(vocab_size=256, seq_len=64, hidden=64, heads=4, layers=4),
+# attention="eager" keeps the s x s attention scores, as in the paper (the default, SDPA, does not: below)
+base = TrainConfig(model=GPTConfig(vocab_size=256, seq_len=64, hidden=64, heads=4, layers=4, attention="eager"),
                    tp=2, pp=2, micro_batch_size=4, global_batch_size=32)
 cluster = Cluster(topology=base.topology).start()
 """),
@@ -488,16 +561,19 @@ def measure(config):
     session.step()
     session.traces(clear=True)
     session.step()
-    est = estimate_memory(config.model, config.topology, micro_batch_size=config.micro_batch_size,
-                          microbatches=config.microbatches, schedule=config.schedule,
-                          sequence_parallel=config.sequence_parallel, recompute=config.recompute)
-    return session.traces()["memory"], est
+    est = estimate_train_memory(config)          # every option taken from the config
+    memory = session.traces()["memory"]
+    session.close()
+    return memory, est
 
 variants = {
     "1F1B": base,
     "GPipe": base.replace(schedule="gpipe"),
-    "1F1B + recompute": base.replace(recompute=True),
+    "1F1B + full recompute": base.replace(recompute="full"),
+    "1F1B + selective recompute": base.replace(recompute="selective"),
     "1F1B + sequence parallel": base.replace(sequence_parallel=True),
+    "1F1B, SDPA (flash)": base.replace(model={"attention": "sdpa"}),
+    "1F1B, bf16": base.replace(precision="bf16"),
 }
 rows = []
 for label, cfg in variants.items():
@@ -521,6 +597,27 @@ memory, est = measure(base)
 from mlmkit.viz import memory_figure
 memory_figure(memory, estimate=est)
 """),
+    md("""
+**Selective recomputation** (Korthikanti et al. 2022, section 5) reruns only the attention core
+(QK^T, softmax, dropout, attention over V) in backward: it drops the `5as/h` part, the `s x s`
+scores, at the cost of a few cheap FLOPs. **SDPA** (flash kernels) never stores those scores in the
+first place, so with it selective recomputation has almost nothing left to save. **bf16** halves
+every activation (the fp32 softmax and statistics excepted) and, per parameter, keeps 2 bytes of
+weight + 4 of fp32 gradient + 12 of fp32 master weight and Adam moments = 18 bytes, against 16 in
+fp32: mixed precision saves activation memory, not model-state memory.
+"""),
+    code("""
+state = []
+for label in ("1F1B", "1F1B, bf16"):
+    memory, est = measure(variants[label])
+    table = compare_memory(memory, est)
+    assert (table[table.kind != "activations"].measured == table[table.kind != "activations"].estimated).all()
+    for kind in ("parameters", "gradients", "optimizer", "activations"):
+        row = table[(table["rank"] == 0) & (table.kind == kind)].iloc[0]
+        state.append({"precision": label, "kind": kind, "measured KiB": row.measured / 1024,
+                      "estimated KiB": row.estimated / 1024})
+pd.DataFrame(state).pivot(index="kind", columns="precision", values=["measured KiB", "estimated KiB"]).round(1)
+"""),
     md("## The published formulas, for GPT-3 175B (s=2048, h=12288, a=96, b=1, t=8)"),
     code("""
 from mlmkit.estimate import activation_bytes_per_layer
@@ -529,7 +626,8 @@ pd.Series({
     "no parallelism": activation_bytes_per_layer(**kw),
     "tensor parallel (t=8)": activation_bytes_per_layer(t=8, **kw),
     "tensor + sequence parallel": activation_bytes_per_layer(t=8, sequence_parallel=True, **kw),
-    "+ full recompute": activation_bytes_per_layer(t=8, sequence_parallel=True, recompute=True, **kw),
+    "+ selective recompute (34 sbh/t)": activation_bytes_per_layer(t=8, sequence_parallel=True, recompute="selective", **kw),
+    "+ full recompute": activation_bytes_per_layer(t=8, sequence_parallel=True, recompute="full", **kw),
 }).div(2**20).round(1).rename("MiB per layer")
 """),
     code("""

@@ -23,7 +23,7 @@ def shard_table(model: nn.Module, *, rank: Optional[int] = None):
     """
     import pandas as pd
 
-    tp: Optional[CommGroup] = getattr(model, "tp", None)
+    tp = _tp_group(model)
     rows = []
     for name, p in model.named_parameters():
         rows.append({
@@ -46,6 +46,16 @@ def shard_table(model: nn.Module, *, rank: Optional[int] = None):
     return df
 
 
+def _tp_group(model: nn.Module) -> Optional[CommGroup]:
+    """The tensor-parallel group of ``model``: its own ``tp``, else the first submodule's (a
+    ModuleDict of layers, an MLP...)."""
+    for m in model.modules():
+        tp = getattr(m, "tp", None)
+        if isinstance(tp, CommGroup):
+            return tp
+    return None
+
+
 def gather_full(model: nn.Module, *, grads: bool = False) -> dict[str, torch.Tensor]:
     """Every parameter (or its gradient) gathered over the TP group to its full shape.
 
@@ -54,7 +64,7 @@ def gather_full(model: nn.Module, *, grads: bool = False) -> dict[str, torch.Ten
     """
     from mlmkit.tensor_parallel.layers import param_grad, unshard
 
-    tp: CommGroup = model.tp
+    tp = _tp_group(model) or CommGroup.single("tp")
     out = {}
     for name, p in model.named_parameters():
         t = param_grad(p) if grads else p.detach()
