@@ -45,7 +45,8 @@ def _run_case(groups, tracer, case):
     pp = groups.topology.pp
     tracer.clear()
     schedule = make_schedule(name, stages=pp, microbatches=m, chunks=chunks, layers=CFG.layers)
-    model_chunks = build_model_chunks(CFG, groups=groups, chunks=chunks, sequence_parallel=sp)
+    model_chunks = build_model_chunks(CFG, groups=groups, chunks=chunks, sequence_parallel=sp,
+                                      split_backward=schedule.split_backward)
     ex = PipelineExecutor(schedule=schedule, chunks=model_chunks, groups=groups, batch_p2p=batch_p2p)
     tokens, targets = _data(m, masked)
     states = []

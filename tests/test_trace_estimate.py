@@ -33,6 +33,9 @@ VARIANTS = {
     # selective recomputation, SP, ZeRO-1 (parameters gathered in bf16).
     "llama+bf16+sp+zero1+selective": {"model": LLAMA, "precision": "bf16", "grad_reduce": "bf16",
                                       "sequence_parallel": True, "zero1": True, "recompute": "selective"},
+    # zero bubble: a split backward keeps every linear's input and output gradient from B to W
+    "llama+zb-h1+bf16+sp": {"model": llama_config(seq_len=16, hidden=32, heads=4, kv_heads=2, layers=4, ffn_hidden=64),
+                            "schedule": "zb-h1", "precision": "bf16", "sequence_parallel": True},
     # the eager attention path with dropout (masks from mlmkit's streams), fp32, unfused SwiGLU, full recompute
     "llama+eager-dropout+full": {"model": llama_config(seq_len=16, hidden=32, heads=4, kv_heads=2, layers=4,
                                                        ffn_hidden=64, dropout=0.1, gate_up_fused=False),

@@ -29,8 +29,10 @@ def dtype_of(precision: str) -> torch.dtype:
 
 
 def _accumulate(param: torch.Tensor) -> None:
-    param.main_grad.add_(param.grad)     # bf16 -> fp32, accumulated across microbatches
-    param.grad = None
+    # A deferred weight gradient (split backward) reaches the hook without a gradient: W adds it later.
+    if param.grad is not None:
+        param.main_grad.add_(param.grad)     # bf16 -> fp32, accumulated across microbatches
+        param.grad = None
 
 
 def attach_main_grads(params: Iterable[nn.Parameter]) -> None:

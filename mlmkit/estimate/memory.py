@@ -41,7 +41,8 @@ difference from the paper, measured by the saved-tensor hooks of :mod:`mlmkit.tr
   (local) vocabulary.
 
 The peak per rank replays the schedule's compute order: a microbatch's activations are held from
-its forward until its last backward action (W when backward is split).
+its forward until its backward; with a split backward (zero-bubble schedules) B frees them but keeps
+every linear layer's input and output gradient until W (:func:`weight_grad_bytes_per_layer`).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from mlmkit.pipeline.schedule import make_schedule
 from mlmkit.topology import Topology
 
 __all__ = ["PRECISIONS", "Precision", "activation_bytes_per_layer", "bytes_per_parameter", "estimate_memory",
-           "estimate_train_memory"]
+           "estimate_train_memory", "weight_grad_bytes_per_layer"]
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,25 @@ def activation_bytes_per_layer(*, s: int, b: int, h: int, a: int, ffn: Optional[
     return total
 
 
+def weight_grad_bytes_per_layer(*, s: int, b: int, h: int, a: int, ffn: Optional[int] = None, t: int = 1,
+                                sequence_parallel: bool = False, precision="bf16", kv_heads: Optional[int] = None,
+                                mlp: str = "gelu", gate_up_fused: bool = True) -> float:
+    """Bytes one layer keeps from its split backward's B until its W (zero-bubble schedules), per
+    microbatch: every linear layer's input ``X`` and output gradient ``dY`` (W computes ``dY^T X``).
+    Inputs shared by two linears (q and kv, gate and up) count once; with sequence parallelism the
+    column-parallel inputs and the row-parallel output gradients are the gathered ``[s, b, h]``."""
+    pr = _precision(precision)
+    E, T = pr.activation, s * b
+    ffn = 4 * h if ffn is None else ffn
+    kv = a if kv_heads is None else kv_heads
+    d, a_l = h // a, a / t
+    kv_l = kv / t if kv >= t else 1
+    x = T * h + T * a_l * d + T * h + T * ffn / t                      # qkv, proj, fc1 (gate/up), fc2 inputs
+    dy = T * (a_l + 2 * kv_l) * d + T * h                              # qkv (q + kv) and proj output gradients
+    dy += T * (2 * ffn / t if mlp == "swiglu" else ffn / t) + T * h    # fc1 (gate, up) and fc2 output gradients
+    return E * (x + dy)
+
+
 def _megatron_layer(*, s, b, h, a, kv, ffn, t, sp, E, M, mlp, selective, dropout) -> float:
     # Korthikanti et al. 2022, section 4.1, term by term (E = 2, M = 1 gives their 34 + 5as/h).
     replicated = 1 / t if sp else 1.0                    # LayerNorm inputs, QKV and fc1 inputs, dropout masks
@@ -180,6 +200,13 @@ def _megatron_layer(*, s, b, h, a, kv, ffn, t, sp, E, M, mlp, selective, dropout
     if not dropout:
         total -= 2 * M * sbh * replicated
     return total
+
+
+def _stage_weight_extra(model: GPTConfig, *, s: int, b: int, t: int, post: bool, pr: Precision) -> float:
+    # The output head's input and output gradient (the logits' gradient), held from B to W.
+    if not post:
+        return 0.0
+    return pr.activation * s * b * (model.hidden + model.padded_vocab(t) / t)
 
 
 def _stage_extra(model: GPTConfig, *, s: int, b: int, t: int, sp: bool, pre: bool, post: bool, layers: int,
@@ -234,19 +261,29 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
             dropout=model.dropout > 0, precision=pr, implementation=implementation, kv_heads=model.num_kv_heads,
             mlp=model.mlp, norm=model.norm, rope=model.position == "rope",
             attention=model.attention if implementation == "mlmkit" else "eager")
-        per_chunk = []
+        held_for_w = weight_grad_bytes_per_layer(
+            s=s, b=b, h=model.hidden, a=model.heads, ffn=model.ffn, t=t, sequence_parallel=sp, precision=pr,
+            kv_heads=model.num_kv_heads, mlp=model.mlp, gate_up_fused=model.gate_up_fused)
+        per_chunk, per_chunk_w = [], []
         for st in stage_layout(model, topology, pp_rank=c.pp, chunks=chunks, layers_per_stage=layers_per_stage):
             extra = _stage_extra(model, s=s, b=b, t=t, sp=sp, pre=st["pre_process"], post=st["post_process"],
                                  layers=len(st["layers"]), pr=pr) if implementation == "mlmkit" else 0.0
             per_chunk.append(len(st["layers"]) * layer + extra)
-        last = "W" if sched.split_backward else "B"
+            # Split backward: from B to W a microbatch keeps every linear's input and output gradient.
+            per_chunk_w.append(len(st["layers"]) * held_for_w + _stage_weight_extra(
+                model, s=s, b=b, t=t, post=st["post_process"], pr=pr) if implementation == "mlmkit"
+                else per_chunk[-1])
         held = peak = 0.0
         for act in sched.compute_actions(c.pp):
             if act.kind == "F":
                 held += per_chunk[act.chunk]
-                peak = max(peak, held)
-            elif act.kind == last:
+            elif act.kind == "B":
                 held -= per_chunk[act.chunk]
+                if sched.split_backward:
+                    held += per_chunk_w[act.chunk]
+            else:   # W
+                held -= per_chunk_w[act.chunk]
+            peak = max(peak, held)
         rows.append({"rank": rank, "parameters": n * pr.param, "gradients": n * pr.grad, "optimizer": optimizer,
                      "activations": peak})
     df = pd.DataFrame(rows).set_index("rank")

@@ -190,7 +190,7 @@ class ParallelAttention(nn.Module):
     """
 
     def __init__(self, config: GPTConfig, *, layer: int, tp: CommGroup, sequence_parallel: bool,
-                 rng: TPRandomState, recompute: str = "none", device=None):
+                 rng: TPRandomState, recompute: str = "none", device=None, wgrad=None):
         super().__init__()
         h, d, name = config.hidden, config.head_dim, f"layers.{layer}.attn"
         self.config, self.rng, self.sp, self.recompute = config, rng, sequence_parallel, recompute
@@ -199,7 +199,7 @@ class ParallelAttention(nn.Module):
         self.kv_local = config.num_kv_heads // (tp.size // self.replicas)
         self.head_dim, self.dropout_p, self.grouped = d, config.dropout, config.grouped
         out_std = config.init_std / math.sqrt(2 * config.layers)
-        kw = dict(tp=tp, sequence_parallel=sequence_parallel, bias=config.bias, device=device)
+        kw = dict(tp=tp, sequence_parallel=sequence_parallel, bias=config.bias, device=device, wgrad=wgrad)
         if self.grouped:
             self.q = ColumnParallelLinear(h, config.heads * d, site=f"{name}.q", **kw,
                                           init=seeded_normal(config.seed, f"{name}.q.weight", config.init_std))
@@ -209,7 +209,7 @@ class ParallelAttention(nn.Module):
             self.qkv = ColumnParallelLinear(h, 3 * h, site=f"{name}.qkv", **kw,
                                             init=seeded_normal(config.seed, f"{name}.qkv.weight", config.init_std))
         self.proj = RowParallelLinear(h, h, tp=tp, sequence_parallel=sequence_parallel, site=f"{name}.proj",
-                                      bias=config.bias, device=device,
+                                      bias=config.bias, device=device, wgrad=wgrad,
                                       init=seeded_normal(config.seed, f"{name}.proj.weight", out_std))
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -270,13 +270,13 @@ class ParallelMLP(nn.Module):
     so each rank holds the matching ``ffn/t`` rows of both and needs no communication."""
 
     def __init__(self, config: GPTConfig, *, layer: int, tp: CommGroup, sequence_parallel: bool,
-                 rng: TPRandomState, device=None):
+                 rng: TPRandomState, device=None, wgrad=None):
         super().__init__()
         h, name = config.hidden, f"layers.{layer}.mlp"
         self.dropout_p, self.rng, self.sp, self.kind = config.dropout, rng, sequence_parallel, config.mlp
         self.fused = config.gate_up_fused
         out_std = config.init_std / math.sqrt(2 * config.layers)
-        kw = dict(tp=tp, sequence_parallel=sequence_parallel, bias=config.bias, device=device)
+        kw = dict(tp=tp, sequence_parallel=sequence_parallel, bias=config.bias, device=device, wgrad=wgrad)
         init = lambda part: seeded_normal(config.seed, f"{name}.{part}.weight", config.init_std)  # noqa: E731
         if config.mlp == "gelu":
             self.fc1 = ColumnParallelLinear(h, config.ffn, site=f"{name}.fc1", init=init("fc1"), **kw)
@@ -289,7 +289,7 @@ class ParallelMLP(nn.Module):
             self.gate = ColumnParallelLinear(h, config.ffn, site=f"{name}.gate", init=init("gate"), **kw)
             self.up = ColumnParallelLinear(h, config.ffn, site=f"{name}.up", init=init("up"), **kw)
         self.fc2 = RowParallelLinear(config.ffn, h, tp=tp, sequence_parallel=sequence_parallel, site=f"{name}.fc2",
-                                     bias=config.bias, device=device,
+                                     bias=config.bias, device=device, wgrad=wgrad,
                                      init=seeded_normal(config.seed, f"{name}.fc2.weight", out_std))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -315,17 +315,17 @@ class TransformerLayer(nn.Module):
     V), which is rerun (Korthikanti et al. 2022, section 5)."""
 
     def __init__(self, config: GPTConfig, *, layer: int, tp: CommGroup, sequence_parallel: bool,
-                 rng: TPRandomState, recompute: str = "none", device=None):
+                 rng: TPRandomState, recompute: str = "none", device=None, wgrad=None):
         super().__init__()
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute={recompute!r}: expected one of {', '.join(RECOMPUTE)}")
         self.rng, self.recompute = rng, recompute
         self.ln1 = make_norm(config, sequence_parallel=sequence_parallel, device=device)
         self.attn = ParallelAttention(config, layer=layer, tp=tp, sequence_parallel=sequence_parallel,
-                                      rng=rng, recompute=recompute, device=device)
+                                      rng=rng, recompute=recompute, device=device, wgrad=wgrad)
         self.ln2 = make_norm(config, sequence_parallel=sequence_parallel, device=device)
         self.mlp = ParallelMLP(config, layer=layer, tp=tp, sequence_parallel=sequence_parallel, rng=rng,
-                               device=device)
+                               device=device, wgrad=wgrad)
 
     def _forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
         x = x + self.attn(self.ln1(x), rotary)

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mlmkit.distributed import CommGroup
@@ -40,6 +39,7 @@ from mlmkit.tensor_parallel.comm import copy_to_tp, gather_from_sequence, gather
 from mlmkit.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from mlmkit.tensor_parallel.layers import VocabParallelEmbedding, mark_parameter
 from mlmkit.tensor_parallel.random import TPRandomState, dropout
+from mlmkit.tensor_parallel.weight_grad import WeightGradStore, linear
 
 __all__ = ["GPT", "ParallelAttention", "ParallelMLP", "Stage", "TransformerLayer", "recompute_mode",
            "seeded_normal", "split_layers"]
@@ -118,6 +118,8 @@ class GPT(nn.Module):
         device: where parameters live.
         dtype: parameter and compute dtype (e.g. ``torch.bfloat16``; weights are initialised in
             fp32 and cast).
+        split_backward: give the linear layers a :class:`~mlmkit.tensor_parallel.WeightGradStore`
+            (``self.wgrad``) so a zero-bubble schedule's B can defer their weight gradients to W.
 
     forward(x, targets=None):
         first stage: ``x`` are token ids ``[b, s]``; other stages: hidden states ``[s, b, h]``
@@ -128,9 +130,11 @@ class GPT(nn.Module):
     """
 
     def __init__(self, config: GPTConfig, *, tp: Optional[CommGroup] = None, stage: Optional[Stage] = None,
-                 sequence_parallel: bool = False, recompute: Union[bool, str] = False, device=None, dtype=None):
+                 sequence_parallel: bool = False, recompute: Union[bool, str] = False, device=None, dtype=None,
+                 split_backward: bool = False):
         super().__init__()
         recompute = recompute_mode(recompute)
+        self.wgrad = WeightGradStore() if split_backward else None
         tp = tp or _single_group()
         stage = stage or Stage.whole(config)
         config.check_parallel(tp=tp.size, sequence_parallel=sequence_parallel)
@@ -150,7 +154,7 @@ class GPT(nn.Module):
                                                global_shape=(config.seq_len, h), sequence_parallel=sp)
         self.layers = nn.ModuleDict({
             str(i): TransformerLayer(config, layer=i, tp=tp, sequence_parallel=sp, rng=self.rng,
-                                     recompute=recompute, device=device)
+                                     recompute=recompute, device=device, wgrad=self.wgrad)
             for i in stage.layers
         })
         if stage.post_process:
@@ -214,7 +218,7 @@ class GPT(nn.Module):
             x = gather_from_sequence(x, self.tp, site="head")   # [s/t, b, h] -> [s, b, h]
         else:
             x = copy_to_tp(x, self.tp, site="head")
-        return F.linear(x, self.head_weight_param())
+        return linear(x, self.head_weight_param(), None, self.wgrad)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
              reduction: str = "mean") -> torch.Tensor:

@@ -15,8 +15,10 @@ What an action does on this rank (``c`` = chunk, ``mb`` = microbatch, ``m`` micr
 - ``SEND_ACT`` / ``SEND_GRAD``: ``isend`` the output activations or the input gradient; sends are
   waited for at the end of the step.
 - ``B``: backward through the chunk from the received output gradient (or from the loss); with a
-  split schedule only the input gradient (``torch.autograd.grad``), keeping the graph for ``W``.
-- ``W``: weight gradients of a split backward (``torch.autograd.backward(..., inputs=params)``).
+  split schedule the linear layers' weight-gradient GEMMs are queued instead of run
+  (:mod:`mlmkit.tensor_parallel.weight_grad`), so B computes the input gradient and the cheap
+  gradients in one pass and frees the graph.
+- ``W``: the queued weight-gradient GEMMs of that microbatch (``dA = dY^T X``): B + W cost one backward.
 
 After the last action, :meth:`PipelineExecutor.finalize` (collective) sums the gradients of
 sequence-parallel parameters over TP, of key/value heads replicated over TP ranks, and the tied
@@ -62,11 +64,13 @@ __all__ = ["PipelineExecutor", "StepState", "build_model_chunks", "sync_embeddin
 
 def build_model_chunks(config: GPTConfig, *, groups: ProcessGroups, chunks: int = 1,
                        layers_per_stage: Optional[Sequence[int]] = None,
-                       sequence_parallel: bool = False, recompute=False, dtype=None) -> list[GPT]:
+                       sequence_parallel: bool = False, recompute=False, dtype=None,
+                       split_backward: bool = False) -> list[GPT]:
     """This rank's model chunks: chunk ``c`` is virtual stage ``c * p + pp_rank`` of ``p * chunks``.
 
     ``layers_per_stage`` lists the layer count of each virtual stage (default: as even as possible);
-    ``recompute``: "none", "selective" or "full"; ``dtype``: parameter and compute dtype.
+    ``recompute``: "none", "selective" or "full"; ``dtype``: parameter and compute dtype;
+    ``split_backward``: the chunks can defer weight gradients (zero-bubble schedules: B and W).
     """
     p, r = groups.topology.pp, groups.coords.pp
     config.check_parallel(tp=groups.tp.size, pp=p, chunks=chunks, sequence_parallel=sequence_parallel)
@@ -77,7 +81,7 @@ def build_model_chunks(config: GPTConfig, *, groups: ProcessGroups, chunks: int 
         stage = Stage(layers=layout[vs], pre_process=vs == 0, post_process=vs == p * chunks - 1,
                       index=vs, pp_rank=r)
         out.append(GPT(config, tp=groups.tp, stage=stage, sequence_parallel=sequence_parallel,
-                       recompute=recompute, device=groups.device, dtype=dtype))
+                       recompute=recompute, device=groups.device, dtype=dtype, split_backward=split_backward))
     return out
 
 
@@ -107,6 +111,7 @@ class _Held:
     output: Optional[torch.Tensor]               # activations sent on, or the scaled loss (last stage)
     grad_output: Optional[torch.Tensor] = None   # received gradient of ``output``
     input_grad: Optional[torch.Tensor] = None    # to be sent to the previous stage
+    weight_work: Optional[list] = None           # split backward: weight-gradient GEMMs waiting for W
     released: bool = False                       # graph freed (backward done)
 
 
@@ -150,10 +155,14 @@ class PipelineExecutor:
             raise ScheduleError(f"schedule has chunks={schedule.chunks} but this rank holds {len(chunks)} model chunks")
         self.schedule, self.chunks, self.groups = schedule, list(chunks), groups
         self.dtype = next(self.chunks[0].parameters()).dtype     # of activations and their messages
+        if schedule.split_backward and any(m.wgrad is None for m in self.chunks):
+            raise ScheduleError(f"schedule {schedule.name!r} splits backward into B and W: build the model chunks "
+                                f"with split_backward=True")
         self.pp_rank = groups.coords.pp
         self.actions: tuple[Action, ...] = schedule.actions[self.pp_rank]
         self.tracer = tracer if tracer is not None else groups.pp.tracer
         self.memory = memory
+        self._attach_memory()
         nccl = dist.is_initialized() and dist.get_backend() == "nccl"
         self.batch_p2p = nccl if batch_p2p is None else bool(batch_p2p)
         self.per_token_loss, self.ignore_index = per_token_loss, ignore_index
@@ -260,10 +269,22 @@ class PipelineExecutor:
         if self.memory is not None:
             self.memory.record(action=a.kind, microbatch=a.microbatch, chunk=a.chunk)
 
+    def _attach_memory(self) -> None:
+        for model in self.chunks:
+            if model.wgrad is not None:
+                model.wgrad.memory = self.memory
+
     def abandon(self) -> None:
-        """Drop the step in progress: activations, received tensors and every pending send and
-        receive. After a failure this releases the rank's hold on its process groups (a pending
-        ``Work`` keeps gloo's connections open, so peers blocked on this rank would wait on)."""
+        """Drop the step in progress: activations, received tensors, queued weight-gradient work and
+        every pending send and receive. After a failure this releases the rank's hold on its process
+        groups (a pending ``Work`` keeps gloo's connections open, so peers blocked on this rank
+        would wait on)."""
+        for (_, c), h in getattr(self, "_held", {}).items():
+            if h.weight_work:
+                self.chunks[c].wgrad.drop(h.weight_work)
+        for model in self.chunks:
+            if model.wgrad is not None:
+                model.wgrad.drop()
         self._reset()
         self.index = len(self.actions)
         self._step_pos = len(self._steps)
@@ -363,8 +384,7 @@ class PipelineExecutor:
             tensor = h.output.detach().contiguous()
         else:
             tensor, h.input_grad = h.input_grad.contiguous(), None
-            if h.released:
-                del self._held[(a.microbatch, a.chunk)]
+            self._forget_if_done((a.microbatch, a.chunk))
         if self.tracer is not None:
             self._trace_p2p("send", a, tensor, time.perf_counter())
         return tensor
@@ -404,32 +424,43 @@ class PipelineExecutor:
     def _backward(self, a: Action) -> None:
         key = (a.microbatch, a.chunk)
         h = self._held[key]
-        if not self.chunks[a.chunk].stage.post_process:
+        model = self.chunks[a.chunk]
+        if not model.stage.post_process:
             h.grad_output = self._inbox.pop(("grad", a.microbatch, a.chunk))
         if self.schedule.split_backward:
-            # Input gradient only (what the previous stage waits for); the graph is kept for W.
-            if h.input is not None:
-                (h.input_grad,) = torch.autograd.grad(h.output, h.input, grad_outputs=h.grad_output,
-                                                      retain_graph=True)
-            return
-        torch.autograd.backward(h.output, grad_tensors=h.grad_output)
+            # B of a split backward: one pass through the graph that computes the input gradient
+            # (what the previous stage waits for) and the cheap gradients (norms, embedding); the
+            # linear layers queue their weight-gradient GEMMs for W (mlmkit.tensor_parallel.weight_grad).
+            if model.wgrad is None:
+                raise RuntimeError("a split schedule needs model chunks built with split_backward=True "
+                                   "(build_model_chunks(..., split_backward=True))")
+            with model.wgrad.defer():
+                torch.autograd.backward(h.output, grad_tensors=h.grad_output)
+            h.weight_work = model.wgrad.take()
+        else:
+            torch.autograd.backward(h.output, grad_tensors=h.grad_output)
         h.input_grad = h.input.grad if h.input is not None else None
         self._release(key)
 
     def _weight(self, a: Action) -> None:
+        # W: the weight-gradient GEMMs B queued, dA = dY^T X per linear layer, accumulated.
         key = (a.microbatch, a.chunk)
         h = self._held[key]
-        params = [p for p in self.chunks[a.chunk].parameters() if p.requires_grad]
-        torch.autograd.backward(h.output, grad_tensors=h.grad_output, inputs=params)
-        self._release(key)
+        work, h.weight_work = h.weight_work or [], None
+        self.chunks[a.chunk].wgrad.run(work)
+        self._forget_if_done(key)
 
     def _release(self, key: tuple[int, int]) -> None:
         # The graph and activations of this microbatch are no longer needed; an input gradient
-        # that still has to be sent is kept until its SEND_GRAD.
+        # that still has to be sent is kept until its SEND_GRAD, queued weight work until its W.
         h = self._held[key]
         h.input = h.output = h.grad_output = None
         h.released = True
-        if h.input_grad is None:
+        self._forget_if_done(key)
+
+    def _forget_if_done(self, key: tuple[int, int]) -> None:
+        h = self._held.get(key)
+        if h is not None and h.released and h.input_grad is None and h.weight_work is None:
             del self._held[key]
 
     def finalize(self) -> None:

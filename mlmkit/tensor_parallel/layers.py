@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlmkit.distributed import CommGroup
+from mlmkit.tensor_parallel.weight_grad import WeightGradStore, linear
 from mlmkit.tensor_parallel.comm import (
     copy_to_tp,
     gather_from_sequence,
@@ -117,6 +118,8 @@ class ColumnParallelLinear(nn.Module):
         tp: the tensor-parallel group. ``init``: full-size weight initialiser.
         gather_output: all-gather the output along the last dim.
         sequence_parallel: input is split along the sequence (Korthikanti et al. 2022).
+        wgrad: a :class:`~mlmkit.tensor_parallel.WeightGradStore` that can defer the weight
+            gradient of a split backward (zero-bubble schedules).
         partitions: the output is made of this many blocks, each split over tp (fused projections
             such as SwiGLU's ``[gate; up]``: each rank holds matching pieces of every block).
         replicas: this many consecutive TP ranks hold the same output rows (key/value heads when
@@ -127,8 +130,9 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, *, tp: CommGroup, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False,
                  init: Optional[Init] = None, site: str = "column", device=None, partitions: int = 1,
-                 replicas: int = 1):
+                 replicas: int = 1, wgrad: Optional[WeightGradStore] = None):
         super().__init__()
+        self.wgrad = wgrad
         if tp.size % replicas:
             raise ValueError(f"ColumnParallelLinear '{site}': replicas={replicas} does not divide tp={tp.size}")
         self.in_features, self.out_features = in_features, out_features
@@ -164,7 +168,7 @@ class ColumnParallelLinear(nn.Module):
         """``entered``: ``x`` already is :meth:`enter`'s output (shared with another linear)."""
         if not entered:
             x = self.enter(x)
-        y = F.linear(x, self.weight, self.bias)                    # [s, b, out/t]
+        y = linear(x, self.weight, self.bias, self.wgrad)          # [s, b, out/t]
         if self.gather_output:
             y = gather_from_tp(y, self.tp, site=self.site)         # [s, b, out]
         return y
@@ -186,8 +190,9 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, *, tp: CommGroup, bias: bool = True,
                  sequence_parallel: bool = False, init: Optional[Init] = None, site: str = "row",
-                 device=None):
+                 device=None, wgrad: Optional[WeightGradStore] = None):
         super().__init__()
+        self.wgrad = wgrad
         self.in_features, self.out_features = in_features, out_features
         self.tp, self.sequence_parallel, self.site = tp, sequence_parallel, site
         self.in_local = divide(in_features, tp.size, what=f"{site}: in_features")
@@ -208,7 +213,7 @@ class RowParallelLinear(nn.Module):
                 f"slice of the global [..., {self.in_features}] split over tp={self.tp.size}; got "
                 f"{list(x.shape)}. (Feed it the un-gathered output of a ColumnParallelLinear.)"
             )
-        y = F.linear(x, self.weight)                                    # [s, b, out] partial sum
+        y = linear(x, self.weight, None, self.wgrad)                    # [s, b, out] partial sum
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(y, self.tp, site=self.site)  # [s/t, b, out]
         else:

@@ -94,6 +94,29 @@ class MemoryTracker:
             self.activations -= entry[1]
             del self._live[ptr]
 
+    def retain(self, tensors) -> list[int]:
+        """Count ``tensors`` (by storage, once) until :meth:`release`: what a split backward keeps for
+        its weight gradients (a layer's input and output gradient) after the graph is freed."""
+        token = []
+        for t in tensors:
+            st = t.untyped_storage()
+            ptr = st.data_ptr()
+            if ptr in self._param_storages or ptr == 0:
+                continue
+            entry = self._live.get(ptr)
+            if entry is None:
+                self._live[ptr] = [1, st.nbytes()]
+                self.activations += st.nbytes()
+                self.peak = max(self.peak, self.activations)
+            else:
+                entry[0] += 1
+            token.append(ptr)
+        return token
+
+    def release(self, token: list[int]) -> None:
+        for ptr in token:
+            self._release(ptr)
+
     @contextlib.contextmanager
     def saving(self):
         """Count tensors saved for backward inside this block (wrap each forward)."""

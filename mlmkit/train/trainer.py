@@ -50,11 +50,11 @@ class Trainer:
         self.tracer = tracer or groups.world.tracer or Tracer(rank=groups.rank, enabled=config.tracing)
         groups.set_tracer(self.tracer)
         torch.manual_seed(config.seed)
-        self.chunks = build_model_chunks(config.model, groups=groups, chunks=config.chunks,
-                                         sequence_parallel=config.sequence_parallel, recompute=config.recompute,
-                                         dtype=dtype_of(config.precision))
         self.schedule = make_schedule(config.schedule, stages=config.pp, microbatches=config.microbatches,
                                       chunks=config.chunks, layers=config.model.layers)
+        self.chunks = build_model_chunks(config.model, groups=groups, chunks=config.chunks,
+                                         sequence_parallel=config.sequence_parallel, recompute=config.recompute,
+                                         dtype=dtype_of(config.precision), split_backward=self.schedule.split_backward)
         named = [(n, p) for c in self.chunks for n, p in c.named_parameters()]
         if config.precision != "fp32":
             attach_main_grads(p for _, p in named)      # fp32 gradients, accumulated across microbatches
