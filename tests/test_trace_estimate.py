@@ -54,7 +54,7 @@ def traced(request):
 
 def _options(cfg):
     return dict(micro_batch_size=cfg.micro_batch_size, microbatches=cfg.microbatches,
-                sequence_parallel=cfg.sequence_parallel, zero1=cfg.zero1)
+                sequence_parallel=cfg.sequence_parallel, zero1=cfg.zero1, schedule=cfg.schedule, chunks=cfg.chunks)
 
 
 def test_measured_bytes_per_axis_equal_estimate(traced):
