@@ -46,7 +46,7 @@ def _run_case(groups, tracer, case):
     tracer.clear()
     schedule = make_schedule(name, stages=pp, microbatches=m, chunks=chunks, layers=CFG.layers)
     model_chunks = build_model_chunks(CFG, groups=groups, chunks=chunks, sequence_parallel=sp,
-                                      split_backward=schedule.split_backward)
+                                      split_backward=schedule.split_backward, placement=schedule.placement)
     ex = PipelineExecutor(schedule=schedule, chunks=model_chunks, groups=groups, batch_p2p=batch_p2p)
     tokens, targets = _data(m, masked)
     states = []
@@ -112,10 +112,10 @@ def _sweep(tp, pp, cases):
 
 def _cases(pp, *, batch_p2p, masked=False, ms=None):
     out = []
-    for name in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1"):
-        chunks = 2 if name == "interleaved-1f1b" else 1
+    for name in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipev"):
+        chunks = 2 if name in ("interleaved-1f1b", "zb-v", "dualpipev") else 1
         for m in ms or ((1 if pp == 2 else 2), pp, 2 * pp, 4 * pp):
-            if name == "interleaved-1f1b" and m < pp:
+            if (name == "interleaved-1f1b" and m < pp) or (name == "dualpipev" and m < 2 * pp):
                 continue
             out.append((name, m, chunks, False, batch_p2p, masked, False))
     return out

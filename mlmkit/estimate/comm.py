@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from mlmkit.estimate.params import local_parameters, stage_layout
+from mlmkit.pipeline.schedule import V_SCHEDULES, stage_rank
 from mlmkit.model.config import GPTConfig
 from mlmkit.topology import Topology
 from mlmkit.trace.tracer import ring_wire_bytes
@@ -52,7 +53,7 @@ def _buckets(sizes: list[int], bucket_bytes: int) -> list[int]:
 def estimate_comm(model: GPTConfig, topology: Topology, *, micro_batch_size: int, microbatches: int,
                   chunks: int = 1, sequence_parallel: bool = False, zero1: bool = False, recompute=False,
                   bucket_bytes: int = 25 * 2**20, precision: str = "fp32", grad_reduce: str = "fp32",
-                  layers_per_stage: Optional[Sequence[int]] = None):
+                  layers_per_stage: Optional[Sequence[int]] = None, placement: str = "loop"):
     """Wire bytes per rank (rows) and axis (columns: tp, pp, dp, embedding, world) for one step.
     For a training run, :func:`estimate_train_comm` takes every option from its TrainConfig."""
     import pandas as pd
@@ -71,9 +72,10 @@ def estimate_comm(model: GPTConfig, topology: Topology, *, micro_batch_size: int
     for rank in range(topology.world_size):
         c = topology.coords(rank)
         vol = {"tp": 0, "pp": 0, "dp": 0, "embedding": 0, "world": 0}
-        stages = stage_layout(model, topology, pp_rank=c.pp, chunks=chunks, layers_per_stage=layers_per_stage)
+        stages = stage_layout(model, topology, pp_rank=c.pp, chunks=chunks, layers_per_stage=layers_per_stage,
+                              placement=placement)
         params = local_parameters(model, topology, pp_rank=c.pp, chunks=chunks, sequence_parallel=sequence_parallel,
-                                  layers_per_stage=layers_per_stage)
+                                  layers_per_stage=layers_per_stage, placement=placement)
         if t > 1:
             per_mb = 0
             for st in stages:
@@ -96,7 +98,7 @@ def estimate_comm(model: GPTConfig, topology: Topology, *, micro_batch_size: int
             vol["tp"] = m * per_mb
             for st in stages:   # once per step and model chunk
                 mine = local_parameters(model, topology, pp_rank=c.pp, chunks=chunks, sequence_parallel=sequence_parallel,
-                                        layers_per_stage=layers_per_stage, only_chunk=st["chunk"])
+                                        layers_per_stage=layers_per_stage, only_chunk=st["chunk"], placement=placement)
                 if sp:
                     vol["tp"] += ring_wire_bytes("all_reduce", G * sum(q.numel for q in mine if q.sequence_parallel), t)
                 replicated = sum(q.numel * (t // q.replicas) for q in mine if q.replicas > 1)
@@ -107,7 +109,10 @@ def estimate_comm(model: GPTConfig, topology: Topology, *, micro_batch_size: int
             last = p * chunks - 1
             for st in stages:
                 vs = st["virtual_stage"]
-                vol["pp"] += m * msg * ((vs < last) + (vs > 0))
+                # a neighbour on another rank gets a message (the tip of a V is handed over locally)
+                for other in (vs + 1, vs - 1):
+                    if 0 <= other <= last and stage_rank(other, stages=p, placement=placement)[0] != c.pp:
+                        vol["pp"] += m * msg
         if d > 1:
             if zero1:
                 n = sum(q.numel for q in params)
@@ -118,8 +123,9 @@ def estimate_comm(model: GPTConfig, topology: Topology, *, micro_batch_size: int
                 vol["dp"] = sum(ring_wire_bytes("all_reduce", n, d) for n in _buckets(sizes, bucket_bytes))
         if p > 1 and model.tie_embeddings:
             vocab_bytes = model.padded_vocab(t) // t * h * G
-            holds = any(st["pre_process"] or st["post_process"] for st in stages)
-            vol["embedding"] = ring_wire_bytes("all_reduce", vocab_bytes, 2) if holds else 0
+            ends = sum(st["pre_process"] + st["post_process"] for st in stages)
+            # one end here: summed with the other end's rank; both (a V): summed locally
+            vol["embedding"] = ring_wire_bytes("all_reduce", vocab_bytes, 2) if ends == 1 else 0
         if topology.world_size > 1:
             vol["world"] = 2 * ring_wire_bytes("all_reduce", 8, topology.world_size)
         rows.append({"rank": rank, **vol})
@@ -131,4 +137,5 @@ def estimate_train_comm(config):
     return estimate_comm(config.model, config.topology, micro_batch_size=config.micro_batch_size,
                          microbatches=config.microbatches, chunks=config.chunks,
                          sequence_parallel=config.sequence_parallel, zero1=config.zero1, recompute=config.recompute,
-                         bucket_bytes=config.bucket_bytes, precision=config.precision, grad_reduce=config.grad_reduce)
+                         bucket_bytes=config.bucket_bytes, precision=config.precision, grad_reduce=config.grad_reduce,
+                         placement="v" if config.schedule in V_SCHEDULES else "loop")

@@ -243,13 +243,14 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
 
     pr = _precision(precision)
     sched = make_schedule(schedule, stages=topology.pp, microbatches=microbatches, chunks=chunks, layers=model.layers)
+    placement = sched.placement
     s, b, t = model.seq_len, micro_batch_size, topology.tp
     sp = sequence_parallel and t > 1
     rows = []
     for rank in range(topology.world_size):
         c = topology.coords(rank)
         params = local_parameters(model, topology, pp_rank=c.pp, chunks=chunks, sequence_parallel=sequence_parallel,
-                                  layers_per_stage=layers_per_stage)
+                                  layers_per_stage=layers_per_stage, placement=placement)
         n = sum(p.numel for p in params)
         if zero1:
             shard = -(-n // topology.dp)
@@ -265,7 +266,8 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
             s=s, b=b, h=model.hidden, a=model.heads, ffn=model.ffn, t=t, sequence_parallel=sp, precision=pr,
             kv_heads=model.num_kv_heads, mlp=model.mlp, gate_up_fused=model.gate_up_fused)
         per_chunk, per_chunk_w = [], []
-        for st in stage_layout(model, topology, pp_rank=c.pp, chunks=chunks, layers_per_stage=layers_per_stage):
+        for st in stage_layout(model, topology, pp_rank=c.pp, chunks=chunks, layers_per_stage=layers_per_stage,
+                               placement=placement):
             extra = _stage_extra(model, s=s, b=b, t=t, sp=sp, pre=st["pre_process"], post=st["post_process"],
                                  layers=len(st["layers"]), pr=pr) if implementation == "mlmkit" else 0.0
             per_chunk.append(len(st["layers"]) * layer + extra)
@@ -277,11 +279,11 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
         for act in sched.compute_actions(c.pp):
             if act.kind == "F":
                 held += per_chunk[act.chunk]
-            elif act.kind == "B":
+            elif act.kind == "B":                 # full backward: everything freed
                 held -= per_chunk[act.chunk]
-                if sched.split_backward:
-                    held += per_chunk_w[act.chunk]
-            else:   # W
+            elif act.kind == "I":                 # split backward: inputs and output gradients kept for W
+                held += per_chunk_w[act.chunk] - per_chunk[act.chunk]
+            else:                                 # W
                 held -= per_chunk_w[act.chunk]
             peak = max(peak, held)
         rows.append({"rank": rank, "parameters": n * pr.param, "gradients": n * pr.grad, "optimizer": optimizer,

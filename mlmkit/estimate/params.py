@@ -37,18 +37,22 @@ def _split_layers(num_layers: int, stages: int, layers_per_stage: Optional[Seque
 
 
 def stage_layout(model: GPTConfig, topology: Topology, *, pp_rank: int, chunks: int = 1,
-                 layers_per_stage: Optional[Sequence[int]] = None) -> list[dict]:
-    """For each chunk of pipeline rank ``pp_rank``: its layers and whether it holds the two ends."""
+                 layers_per_stage: Optional[Sequence[int]] = None, placement: str = "loop") -> list[dict]:
+    """For each chunk of pipeline rank ``pp_rank``: its virtual stage (``placement`` "loop" or
+    "v", see :mod:`mlmkit.pipeline.schedule`), its layers and whether it holds the two ends."""
     p = topology.pp
     layout = _split_layers(model.layers, p * chunks, layers_per_stage)
-    return [{"chunk": c, "virtual_stage": c * p + pp_rank, "layers": layout[c * p + pp_rank],
-             "pre_process": c * p + pp_rank == 0, "post_process": c * p + pp_rank == p * chunks - 1}
-            for c in range(chunks)]
+    out = []
+    for c in range(chunks):
+        vs = (pp_rank if c == 0 else 2 * p - 1 - pp_rank) if placement == "v" else c * p + pp_rank
+        out.append({"chunk": c, "virtual_stage": vs, "layers": layout[vs], "pre_process": vs == 0,
+                    "post_process": vs == p * chunks - 1})
+    return out
 
 
 def local_parameters(model: GPTConfig, topology: Topology, *, pp_rank: int, chunks: int = 1,
                      sequence_parallel: bool = False, layers_per_stage: Optional[Sequence[int]] = None,
-                     only_chunk: Optional[int] = None) -> list[LocalParam]:
+                     only_chunk: Optional[int] = None, placement: str = "loop") -> list[LocalParam]:
     """The parameters one rank (any TP rank of pipeline rank ``pp_rank``) holds, in registration order
     (per chunk: the module's own parameters, then the embedding, the layers, the final norm)."""
     t, h, ffn, sp, d = topology.tp, model.hidden, model.ffn, sequence_parallel, model.head_dim
@@ -75,13 +79,15 @@ def local_parameters(model: GPTConfig, topology: Topology, *, pp_rank: int, chun
         return out
 
     out: list[LocalParam] = []
-    for st in stage_layout(model, topology, pp_rank=pp_rank, chunks=chunks, layers_per_stage=layers_per_stage):
+    for st in stage_layout(model, topology, pp_rank=pp_rank, chunks=chunks, layers_per_stage=layers_per_stage,
+                           placement=placement):
         if only_chunk is not None and st["chunk"] != only_chunk:
             continue
         pre_p, post_p = st["pre_process"], st["post_process"]
         if pre_p and model.position == "learned":
             out.append(LocalParam("position", model.seq_len * h, None, sp))
         if post_p and not (model.tie_embeddings and pre_p):
+            # shared_embedding: a copy of the tied word embedding, not counted twice in the gradient norm
             out.append(LocalParam("head_weight", vocab // t * h, 0, False, model.tie_embeddings))
         if pre_p:
             out.append(LocalParam("embedding.weight", vocab // t * h, 0))

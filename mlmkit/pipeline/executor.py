@@ -65,8 +65,9 @@ __all__ = ["PipelineExecutor", "StepState", "build_model_chunks", "sync_embeddin
 def build_model_chunks(config: GPTConfig, *, groups: ProcessGroups, chunks: int = 1,
                        layers_per_stage: Optional[Sequence[int]] = None,
                        sequence_parallel: bool = False, recompute=False, dtype=None,
-                       split_backward: bool = False) -> list[GPT]:
-    """This rank's model chunks: chunk ``c`` is virtual stage ``c * p + pp_rank`` of ``p * chunks``.
+                       split_backward: bool = False, placement: str = "loop") -> list[GPT]:
+    """This rank's model chunks: chunk ``c`` is virtual stage ``c * p + pp_rank`` of ``p * chunks``
+    (``placement="v"``: chunk 0 is stage ``pp_rank``, chunk 1 stage ``2p - 1 - pp_rank``).
 
     ``layers_per_stage`` lists the layer count of each virtual stage (default: as even as possible);
     ``recompute``: "none", "selective" or "full"; ``dtype``: parameter and compute dtype;
@@ -75,9 +76,11 @@ def build_model_chunks(config: GPTConfig, *, groups: ProcessGroups, chunks: int 
     p, r = groups.topology.pp, groups.coords.pp
     config.check_parallel(tp=groups.tp.size, pp=p, chunks=chunks, sequence_parallel=sequence_parallel)
     layout = split_layers(config.layers, p * chunks, layers_per_stage)
+    if placement == "v" and chunks != 2:
+        raise ValueError(f"a V placement holds exactly 2 chunks per rank, not chunks={chunks}")
     out = []
     for c in range(chunks):
-        vs = c * p + r
+        vs = (r if c == 0 else 2 * p - 1 - r) if placement == "v" else c * p + r
         stage = Stage(layers=layout[vs], pre_process=vs == 0, post_process=vs == p * chunks - 1,
                       index=vs, pp_rank=r)
         out.append(GPT(config, tp=groups.tp, stage=stage, sequence_parallel=sequence_parallel,
@@ -90,17 +93,24 @@ def sync_embedding_grads(chunks: Sequence[GPT], embedding: Optional[CommGroup]) 
 
     The first stage uses it to embed tokens, the last as the output head; each holds a copy and
     gets part of the gradient. Megatron-LM all-reduces it over the embedding group so both copies
-    take the same optimizer step and stay equal.
+    take the same optimizer step and stay equal. When one rank holds both stages (the V placement
+    of zb-v and dualpipev), the two copies are summed locally, without a message.
     """
+    if not chunks or not chunks[0].config.tie_embeddings:
+        return
+    copies = [p for model in chunks for p in model.vocab_parameters()]
+    for p in copies:
+        if param_grad(p) is None:
+            p.grad = torch.zeros_like(p)
+    if len(copies) == 2:                      # both ends on this rank
+        total = param_grad(copies[0]) + param_grad(copies[1])
+        for p in copies:
+            param_grad(p).copy_(total)
+        return
     if embedding is None or embedding.size == 1:
         return
-    for model in chunks:
-        if not model.config.tie_embeddings:
-            return
-        for p in model.vocab_parameters():
-            if param_grad(p) is None:
-                p.grad = torch.zeros_like(p)
-            embedding.all_reduce(param_grad(p), site="embedding_grads", phase="backward")
+    for p in copies:
+        embedding.all_reduce(param_grad(p), site="embedding_grads", phase="backward")
 
 
 @dataclass
@@ -148,23 +158,32 @@ class PipelineExecutor:
     def __init__(self, *, schedule: Schedule, chunks: Sequence[GPT], groups: ProcessGroups, tracer=None,
                  memory=None, batch_p2p: Optional[bool] = None, per_token_loss: bool = True,
                  ignore_index: int = -100):
-        validate(schedule, batched=bool(batch_p2p))
+        nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+        batched = nccl if batch_p2p is None else bool(batch_p2p)
+        # Unbatched messages carry tags on gloo; NCCL ignores tags, so unbatched NCCL needs send order.
+        validate(schedule, batched=batched, ordered=nccl and not batched)
         if schedule.stages != groups.topology.pp:
             raise ScheduleError(f"schedule has stages={schedule.stages} but the topology has pp={groups.topology.pp}")
         if len(chunks) != schedule.chunks:
             raise ScheduleError(f"schedule has chunks={schedule.chunks} but this rank holds {len(chunks)} model chunks")
         self.schedule, self.chunks, self.groups = schedule, list(chunks), groups
+        self.placement = schedule.placement
         self.dtype = next(self.chunks[0].parameters()).dtype     # of activations and their messages
         if schedule.split_backward and any(m.wgrad is None for m in self.chunks):
-            raise ScheduleError(f"schedule {schedule.name!r} splits backward into B and W: build the model chunks "
+            raise ScheduleError(f"schedule {schedule.name!r} splits backward into I and W: build the model chunks "
                                 f"with split_backward=True")
         self.pp_rank = groups.coords.pp
         self.actions: tuple[Action, ...] = schedule.actions[self.pp_rank]
+        for c, model in enumerate(self.chunks):
+            if model.stage.index != schedule.virtual_stage(self.pp_rank, c):
+                raise ScheduleError(f"chunk {c} of pipeline rank {self.pp_rank} holds virtual stage {model.stage.index} "
+                                    f"but the schedule ({schedule.placement} placement) puts stage "
+                                    f"{schedule.virtual_stage(self.pp_rank, c)} there: build the chunks with "
+                                    f"placement={schedule.placement!r}")
         self.tracer = tracer if tracer is not None else groups.pp.tracer
         self.memory = memory
         self._attach_memory()
-        nccl = dist.is_initialized() and dist.get_backend() == "nccl"
-        self.batch_p2p = nccl if batch_p2p is None else bool(batch_p2p)
+        self.batch_p2p = batched
         self.per_token_loss, self.ignore_index = per_token_loss, ignore_index
         self.plan: Optional[BatchPlan] = plan_batches(schedule) if self.batch_p2p else None
         self._steps: tuple[Step, ...] = self.plan.steps[self.pp_rank] if self.plan is not None else ()
@@ -259,7 +278,7 @@ class PipelineExecutor:
         start = time.perf_counter()
         if a.kind == "F":
             self._forward(a)
-        elif a.kind == "B":
+        elif a.kind in ("B", "I"):
             self._backward(a)
         else:
             self._weight(a)
@@ -420,17 +439,30 @@ class PipelineExecutor:
             else:
                 out = model(x)                                                  # [s, b_mb, h]
         self._held[(mb, a.chunk)] = _Held(input=inp, output=out)
+        nxt = self._local_neighbour(a.chunk, +1)
+        if nxt is not None:       # the tip of a V: the next stage is this rank's other chunk
+            self._inbox[("act", mb, nxt)] = out.detach()
+
+    def _local_neighbour(self, chunk: int, step: int) -> Optional[int]:
+        """The chunk of this rank that holds the virtual stage next to ``chunk``'s (``step`` +1 or -1),
+        if this rank holds it (the tip of a V), else None."""
+        vs = self.schedule.virtual_stage(self.pp_rank, chunk) + step
+        if not 0 <= vs < self.schedule.virtual_stages:
+            return None
+        rank, other = self.schedule.rank_of(vs)
+        return other if rank == self.pp_rank else None
 
     def _backward(self, a: Action) -> None:
+        # B: the full backward. I: a split backward's first part, one pass through the graph that
+        # computes the input gradient (what the previous stage waits for) and the cheap gradients
+        # (norms, embedding) while the linear layers queue their weight-gradient GEMMs for W
+        # (mlmkit.tensor_parallel.weight_grad).
         key = (a.microbatch, a.chunk)
         h = self._held[key]
         model = self.chunks[a.chunk]
         if not model.stage.post_process:
             h.grad_output = self._inbox.pop(("grad", a.microbatch, a.chunk))
-        if self.schedule.split_backward:
-            # B of a split backward: one pass through the graph that computes the input gradient
-            # (what the previous stage waits for) and the cheap gradients (norms, embedding); the
-            # linear layers queue their weight-gradient GEMMs for W (mlmkit.tensor_parallel.weight_grad).
+        if a.kind == "I":
             if model.wgrad is None:
                 raise RuntimeError("a split schedule needs model chunks built with split_backward=True "
                                    "(build_model_chunks(..., split_backward=True))")
@@ -440,6 +472,10 @@ class PipelineExecutor:
         else:
             torch.autograd.backward(h.output, grad_tensors=h.grad_output)
         h.input_grad = h.input.grad if h.input is not None else None
+        prev = self._local_neighbour(a.chunk, -1)
+        if prev is not None:      # the tip of a V: hand the input gradient to this rank's other chunk
+            self._inbox[("grad", a.microbatch, prev)] = h.input_grad
+            h.input_grad = None
         self._release(key)
 
     def _weight(self, a: Action) -> None:

@@ -6,17 +6,27 @@ Pure planning code (no torch). The same :class:`Schedule` object is validated
 
 Vocabulary:
 - ``p`` = ``stages``: pipeline ranks; ``m`` = ``microbatches``; ``v`` = ``chunks``: model chunks per
-  rank (interleaving). Chunk ``c`` of rank ``r`` is *virtual stage* ``c * p + r`` (Megatron-LM's
-  layout), so there are ``p * v`` virtual stages and activations flow ``r -> r+1`` and wrap from the
-  last rank back to rank 0 at chunk boundaries.
-- Compute actions: ``F`` (forward), ``B`` (backward; backward-for-inputs only when the schedule
-  splits backward), ``W`` (backward-for-weights, split schedules only).
+  rank. The *placement* says which rank holds which of the ``p * v`` virtual stages:
+
+  - ``"loop"`` (Megatron-LM's interleaving): chunk ``c`` of rank ``r`` is virtual stage ``c * p + r``;
+    activations flow ``r -> r+1`` and wrap from the last rank back to rank 0 at chunk boundaries;
+  - ``"v"`` (the V-shaped zero-bubble schedules, 2 chunks): chunk 0 of rank ``r`` is stage ``r``,
+    chunk 1 is stage ``2p-1-r``; activations go down the ranks and come back up, the last rank
+    hands its chunk 0's output to its own chunk 1 (no message), and rank 0 holds both the first
+    and the last stage.
+- Compute actions, PyTorch's vocabulary (``torch.distributed.pipelining``): ``F`` (forward),
+  ``B`` (full backward: input and weight gradients), ``I`` (backward for the input gradient only)
+  and ``W`` (backward for the weight gradients, after its ``I``). Zero-bubble schedules split
+  backward into I and W; DualPipeV mixes B with I/W.
 - Communication actions: ``SEND_ACT``/``RECV_ACT`` (activations, forward direction) and
   ``SEND_GRAD``/``RECV_GRAD`` (gradients, backward direction), each naming its peer rank.
 
 Generators (:func:`make_schedule`): ``"gpipe"`` (Huang et al. 2019), ``"1f1b"`` (PipeDream-Flush,
-Narayanan et al. 2021a), ``"interleaved-1f1b"`` (Narayanan et al. 2021b, Megatron-LM's order) and
-``"zb-h1"`` (zero bubble, Qi et al. 2023, backward split into B and W).
+Narayanan et al. 2021a), ``"interleaved-1f1b"`` (Narayanan et al. 2021b, Megatron-LM's order),
+``"zb-h1"`` (zero bubble, Qi et al. 2023), ``"zb-v"`` (the V-shaped zero-bubble schedule, Qi et al.
+2024, as PyTorch's ScheduleZBVZeroBubble) and ``"dualpipev"`` (DeepSeek-AI 2024's DualPipe in its
+V form, as PyTorch's ScheduleDualPipeV; its overlapped forward-backward pairs run one after the
+other here).
 """
 
 from __future__ import annotations
@@ -25,11 +35,13 @@ from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple, Optional, Sequence
 
 __all__ = [
-    "COMPUTE", "COMM", "KINDS", "Action", "Schedule", "ScheduleError", "SCHEDULES", "make_schedule",
-    "schedule_from_table",
+    "COMPUTE", "COMM", "KINDS", "PLACEMENTS", "Action", "Schedule", "ScheduleError", "SCHEDULES", "V_SCHEDULES",
+    "make_schedule", "schedule_from_table", "stage_rank",
 ]
 
-COMPUTE = ("F", "B", "W")
+COMPUTE = ("F", "B", "I", "W")
+#: Placements of virtual stages on ranks.
+PLACEMENTS = ("loop", "v")
 COMM = ("SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD")
 KINDS = COMPUTE + COMM
 
@@ -75,8 +87,8 @@ class Schedule:
     Attributes:
         name: generator name, or ``"custom"``.
         stages: ``p``, number of pipeline ranks. microbatches: ``m``. chunks: ``v``.
-        split_backward: backward is split into B (inputs) and W (weights).
         actions: ``actions[r]`` is rank r's ordered tuple of :class:`Action`.
+        placement: ``"loop"`` or ``"v"`` (module docstring).
         notes: remarks of the generator worth showing a user (e.g. a large bubble).
     """
 
@@ -84,20 +96,27 @@ class Schedule:
     stages: int
     microbatches: int
     chunks: int
-    split_backward: bool
     actions: tuple[tuple[Action, ...], ...] = field(repr=False)
+    placement: str = "loop"
     notes: tuple[str, ...] = field(default=(), repr=False, compare=False)
+
+    @property
+    def split_backward(self) -> bool:
+        """Some backward is split into I (input gradient) and W (weight gradients)."""
+        return any(a.kind in ("I", "W") for acts in self.actions for a in acts)
 
     @property
     def virtual_stages(self) -> int:
         return self.stages * self.chunks
 
     def virtual_stage(self, rank: int, chunk: int) -> int:
+        if self.placement == "v":
+            return rank if chunk == 0 else 2 * self.stages - 1 - rank
         return chunk * self.stages + rank
 
     def rank_of(self, virtual_stage: int) -> tuple[int, int]:
         """(rank, chunk) holding a virtual stage."""
-        return virtual_stage % self.stages, virtual_stage // self.stages
+        return stage_rank(virtual_stage, stages=self.stages, placement=self.placement)
 
     def compute_actions(self, rank: int) -> list[Action]:
         return [a for a in self.actions[rank] if a.kind in COMPUTE]
@@ -135,6 +154,14 @@ class Schedule:
         body = self.compact().replace("\n", "<br>")
         notes = "".join(f"<br><i>note: {html.escape(n)}</i>" for n in self.notes)
         return f"<b>{html.escape(repr(self))}</b><br><code>{body}</code>{notes}"
+
+
+def stage_rank(virtual_stage: int, *, stages: int, placement: str = "loop") -> tuple[int, int]:
+    """(rank, chunk) holding ``virtual_stage`` among ``stages`` ranks with ``placement``."""
+    p = stages
+    if placement == "v":
+        return (virtual_stage, 0) if virtual_stage < p else (2 * p - 1 - virtual_stage, 1)
+    return virtual_stage % p, virtual_stage // p
 
 
 # ----------------------------------------------------------------------------------- generators
@@ -202,7 +229,7 @@ def _zb_h1(p: int, m: int) -> list[list[tuple[str, int, int]]]:
         f_time = f_arrival[r].get(next_f[r]) if between_f_and_b[r] < p - r else None
         if b_time is not None and b_time <= now:
             mb = next_b[r]
-            orders[r].append(("B", mb, 0))
+            orders[r].append(("I", mb, 0))
             next_b[r] += 1
             between_f_and_b[r] -= 1
             pending_w[r].append(mb)
@@ -228,7 +255,126 @@ def _zb_h1(p: int, m: int) -> list[list[tuple[str, int, int]]]:
     return orders
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+def _zb_v(p: int, m: int) -> list[list[tuple[str, int, int]]]:
+    # ZB-V (Qi et al. 2024, section 6; the order of PyTorch's ScheduleZBVZeroBubble): 2 chunks per
+    # rank in a V. Warm-up: forwards of chunk 0, then chunk 0 and chunk 1 alternately, then chunk 1's
+    # first backwards (I, W) right after its forwards; steady state: F I W on chunk 0, then on chunk
+    # 1; cool-down: the remaining I's, W's filling what would be bubble. The order is computed for at
+    # least 2p - 1 microbatches (the pipeline must fill), then microbatches beyond m are dropped.
+    n = max(2 * p - 1, m)
+    out = []
+    for r in range(p):
+        order: list[tuple[str, int, int]] = []
+        f = [0, 0]
+        b = [0, 0]
+
+        def add(kind, c):
+            counter = f if kind == "F" else b
+            order.append((kind, counter[c], c))
+            if kind != "W":
+                counter[c] += 1
+
+        for _ in range(2 * (p - r) - 1):                      # warm-up 1: chunk 0 forwards
+            add("F", 0)
+        for _ in range(r):                                    # warm-up 2: chunk 1 and chunk 0
+            add("F", 1)
+            add("F", 0)
+        for _ in range(p - r):                                # warm-up 3: chunk 1 F I W
+            add("F", 1)
+            order.append(("I", b[1], 1))
+            order.append(("W", b[1], 1))
+            b[1] += 1
+        while f[1] < f[0] or f[0] < n:                        # steady state
+            if f[0] < n:
+                add("F", 0)
+            order.append(("I", b[0], 0))
+            order.append(("W", b[0], 0))
+            b[0] += 1
+            add("F", 1)
+            order.append(("I", b[1], 1))
+            order.append(("W", b[1], 1))
+            b[1] += 1
+        w = [b[0], b[1]]                                      # cool-down
+        for _ in range(r):
+            order.append(("I", b[0], 0))
+            b[0] += 1
+            order.append(("I", b[1], 1))
+            b[1] += 1
+        for _ in range(p - r):
+            order.append(("I", b[0], 0))
+            b[0] += 1
+            order.append(("W", w[0], 0))
+            w[0] += 1
+        order += [("W", k, 1) for k in range(w[1], b[1])]
+        order += [("W", k, 0) for k in range(w[0], b[0])]
+        out.append([a for a in order if a[1] < m])
+    return out
+
+
+def _dualpipe_v(p: int, m: int) -> list[list[tuple[str, int, int]]]:
+    # DualPipeV (DeepSeek-AI 2024, DualPipe's V form; the order of PyTorch's ScheduleDualPipeV).
+    # In the steady state DualPipe overlaps the forward of one chunk with the backward of the other
+    # (F0 with B1, F1 with B0); mlmkit runs each pair one after the other. The first backwards of
+    # chunk 1 and the last ones are split into I and W to fill bubbles.
+    out = []
+    for r in range(p):
+        order: list[tuple[str, int, int]] = []
+        count: dict[tuple[str, int], int] = {}
+        pending_w: list[tuple[int, int]] = []
+
+        def add(kind, c):
+            key = (kind if kind != "B" else "I", c)
+            mb = count.get(key, 0)
+            order.append((kind, mb, c))
+            count[key] = mb + 1
+            if kind == "I":
+                pending_w.append((mb, c))
+
+        def add_w():
+            if pending_w:
+                mb, c = pending_w.pop(0)
+                order.append(("W", mb, c))
+
+        for _ in range(2 * (p - r - 1)):                      # 1: F0
+            add("F", 0)
+        for _ in range(r + 1):                                # 2: F0 F1
+            add("F", 0)
+            add("F", 1)
+        for _ in range(p - r - 1):                            # 3: I1 W F1 (zero bubble)
+            add("I", 1)
+            add_w()
+            add("F", 1)
+        for i in range(m - 2 * p + r + 1):                    # 4: (F0, B1) (F1, B0)
+            add("F", 0)
+            add("B", 1)
+            add("F", 1)
+            add("B", 0)
+        for _ in range(p - r - 1):                            # 5: B1 (F1, B0)
+            add("B", 1)
+            add("F", 1)
+            add("B", 0)
+        zb = False
+        for i in range(r + 1):                                # 6: B1 B0, split from the middle on
+            if i == (r + 1) // 2 and r % 2 == 1:
+                zb = True
+            add("I" if zb else "B", 1)
+            if i == (r + 1) // 2 and r % 2 == 0:
+                zb = True
+            add("I" if zb else "B", 0)
+        for _ in range(p - r - 1):                            # 7: W B0
+            add_w()
+            add("I" if zb else "B", 0)
+        for _ in range(r + 1):                                # 8: W
+            add_w()
+        while pending_w:
+            add_w()
+        out.append(order)
+    return out
+
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipev")
+#: Schedules whose two chunks per rank sit in a V (``placement="v"``).
+V_SCHEDULES = ("zb-v", "dualpipev")
 
 
 def _check_int(name: str, value: object, minimum: int = 1) -> None:
@@ -241,9 +387,9 @@ def make_schedule(name: str, *, stages: int, microbatches: int, chunks: int = 1,
     """Generate a named schedule (one of :data:`SCHEDULES`) for ``stages`` pipeline ranks.
 
     Args:
-        name: ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"`` or ``"zb-h1"``.
+        name: one of :data:`SCHEDULES`.
         stages: pipeline ranks ``p``. microbatches: ``m``. chunks: model chunks per rank ``v``
-            (only interleaved-1f1b takes ``v > 1``).
+            (interleaved-1f1b takes ``v >= 2``; zb-v and dualpipev exactly 2, in a V).
         layers: if given, checked to divide into ``p * v`` stages of at least one layer.
 
     Raises:
@@ -255,8 +401,15 @@ def make_schedule(name: str, *, stages: int, microbatches: int, chunks: int = 1,
     _check_int("microbatches", microbatches)
     _check_int("chunks", chunks)
     p, m, v = stages, microbatches, chunks
-    if name != "interleaved-1f1b" and v != 1:
-        raise ScheduleError(f"chunks={v}: only 'interleaved-1f1b' runs more than one model chunk per rank")
+    if name in V_SCHEDULES:
+        if v != 2:
+            raise ScheduleError(f"{name!r} runs exactly 2 model chunks per rank, in a V (chunks=2), not chunks={v}")
+    elif name != "interleaved-1f1b" and v != 1:
+        raise ScheduleError(f"chunks={v}: only 'interleaved-1f1b', 'zb-v' and 'dualpipev' run more than one "
+                            f"model chunk per rank")
+    if name == "dualpipev" and m < 2 * p:
+        raise ScheduleError(f"dualpipev needs at least as many microbatches as virtual stages (2 x stages = {2 * p}), "
+                            f"got microbatches={m}; use {2 * p} or more")
     notes: tuple[str, ...] = ()
     if name in ("1f1b", "zb-h1") and m < p:
         # Megatron-LM runs 1F1B with fewer microbatches than stages (every microbatch is in warm-up).
@@ -280,7 +433,7 @@ def make_schedule(name: str, *, stages: int, microbatches: int, chunks: int = 1,
         _check_int("layers", layers)
         if p * v > layers:
             raise ScheduleError(f"{p * v} stages (stages={p} x chunks={v}) but only layers={layers}")
-        if layers % (p * v) and v > 1:
+        if layers % (p * v) and name == "interleaved-1f1b":
             raise ScheduleError(
                 f"chunks={v} does not divide the layers: layers={layers} is not divisible by "
                 f"stages x chunks = {p * v}"
@@ -290,41 +443,48 @@ def make_schedule(name: str, *, stages: int, microbatches: int, chunks: int = 1,
         "1f1b": lambda: _one_f_one_b(p, m),
         "interleaved-1f1b": lambda: _interleaved(p, m, v),
         "zb-h1": lambda: _zb_h1(p, m),
+        "zb-v": lambda: _zb_v(p, m),
+        "dualpipev": lambda: _dualpipe_v(p, m),
     }[name]()
-    return _with_communication(name, p, m, v, split_backward=(name == "zb-h1"), orders=orders, notes=notes)
+    return _with_communication(name, p, m, v, orders=orders, notes=notes,
+                               placement="v" if name in V_SCHEDULES else "loop")
 
 
-def _with_communication(name: str, p: int, m: int, v: int, *, split_backward: bool,
-                        orders: Sequence[Iterable[tuple[str, int, int]]], notes: tuple[str, ...] = ()) -> Schedule:
-    """Insert sends and receives around compute actions: receive just before use, send just after."""
+def _with_communication(name: str, p: int, m: int, v: int, *, orders: Sequence[Iterable[tuple[str, int, int]]],
+                        notes: tuple[str, ...] = (), placement: str = "loop") -> Schedule:
+    """Insert sends and receives around compute actions: receive just before use, send just after.
+    A neighbouring stage on the same rank (the tip of a V) is handed over without a message."""
+    shell = Schedule(name=name, stages=p, microbatches=m, chunks=v, actions=(), placement=placement)
     last = p * v - 1
     actions = []
     for r, order in enumerate(orders):
         acts: list[Action] = []
         for kind, mb, c in order:
-            s = c * p + r
+            s = shell.virtual_stage(r, c)
+            prev_rank = shell.rank_of(s - 1)[0] if s > 0 else None
+            next_rank = shell.rank_of(s + 1)[0] if s < last else None
             if kind == "F":
-                if s > 0:
-                    acts.append(Action("RECV_ACT", mb, c, (s - 1) % p))
+                if prev_rank is not None and prev_rank != r:
+                    acts.append(Action("RECV_ACT", mb, c, prev_rank))
                 acts.append(Action("F", mb, c))
-                if s < last:
-                    acts.append(Action("SEND_ACT", mb, c, (s + 1) % p))
-            elif kind == "B":
-                if s < last:
-                    acts.append(Action("RECV_GRAD", mb, c, (s + 1) % p))
-                acts.append(Action("B", mb, c))
-                if s > 0:
-                    acts.append(Action("SEND_GRAD", mb, c, (s - 1) % p))
+                if next_rank is not None and next_rank != r:
+                    acts.append(Action("SEND_ACT", mb, c, next_rank))
+            elif kind in ("B", "I"):
+                if next_rank is not None and next_rank != r:
+                    acts.append(Action("RECV_GRAD", mb, c, next_rank))
+                acts.append(Action(kind, mb, c))
+                if prev_rank is not None and prev_rank != r:
+                    acts.append(Action("SEND_GRAD", mb, c, prev_rank))
             else:
                 acts.append(Action(kind, mb, c))
         actions.append(tuple(acts))
-    return Schedule(name=name, stages=p, microbatches=m, chunks=v, split_backward=split_backward,
-                    actions=tuple(actions), notes=notes)
+    return Schedule(name=name, stages=p, microbatches=m, chunks=v, actions=tuple(actions), notes=notes,
+                    placement=placement)
 
 
 def schedule_from_table(table, *, stages: Optional[int] = None, microbatches: Optional[int] = None,
                         chunks: Optional[int] = None, name: str = "custom",
-                        add_communication: bool = False) -> Schedule:
+                        add_communication: bool = False, placement: str = "loop") -> Schedule:
     """Build a hand-written schedule from a table (DataFrame or list of dicts / tuples).
 
     Rows need ``rank``, ``kind``, ``microbatch`` and optionally ``chunk`` and ``peer``, in execution
@@ -353,9 +513,10 @@ def schedule_from_table(table, *, stages: Optional[int] = None, microbatches: Op
         peer = row.get("peer")
         peer = None if peer is None or peer != peer else int(peer)  # NaN -> None
         per_rank[r].append((row["kind"], int(row["microbatch"]), int(row.get("chunk", 0) or 0), peer))
-    split = any(k == "W" for acts in per_rank for k, *_ in acts)
+    if placement not in PLACEMENTS:
+        raise ScheduleError(f"placement={placement!r}: expected one of {', '.join(PLACEMENTS)}")
     if add_communication:
         orders = [[(k, mb, c) for k, mb, c, _ in acts] for acts in per_rank]
-        return _with_communication(name, p, m, v, split_backward=split, orders=orders)
+        return _with_communication(name, p, m, v, orders=orders, placement=placement)
     actions = tuple(tuple(Action(k, mb, c, peer) for k, mb, c, peer in acts) for acts in per_rank)
-    return Schedule(name=name, stages=p, microbatches=m, chunks=v, split_backward=split, actions=actions)
+    return Schedule(name=name, stages=p, microbatches=m, chunks=v, actions=actions, placement=placement)

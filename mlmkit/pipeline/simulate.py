@@ -2,10 +2,13 @@
 
 Pure planning code. The engine is a dry run of the schedule with the executor's semantics: each
 rank performs its actions in order; a send is posted without waiting (``isend``) and its message
-arrives ``p2p_latency + bytes / p2p_bandwidth`` later; a receive waits until the matching message
-has arrived. Messages between two ranks are matched in order (first sent, first received), and a
-receive must find exactly the message it expects. :func:`mlmkit.pipeline.validate` runs the same
-engine with unit costs, so a schedule that passes validation cannot deadlock in the executor.
+arrives ``p2p_latency + bytes / p2p_bandwidth`` later; a receive waits until its message has
+arrived. Messages carry their identity (a tag: activation or gradient, microbatch, sending stage),
+so a receive gets exactly its message whatever else travels on the channel; ``ordered=True``
+models a transport without tags (first sent, first received: NCCL without batching) and reports a
+receive that would get another message. :func:`mlmkit.pipeline.validate` runs the same engine with
+unit costs, so a schedule that passes validation cannot deadlock in the executor (the batched NCCL
+path is checked by :mod:`mlmkit.pipeline.batching`).
 """
 
 from __future__ import annotations
@@ -26,9 +29,8 @@ class Costs:
     """Time of each action kind (any unit; seconds when calibrated from measurements).
 
     ``forward``, ``backward`` and ``weight`` are a constant, a sequence with one entry per pipeline
-    rank, or one per virtual stage (``p * v`` entries). ``backward`` is backward-for-inputs when
-    ``weight`` is non-zero: a schedule that does not split backward pays ``backward + weight`` for
-    each B. A message costs ``p2p_latency + message_bytes / p2p_bandwidth`` (``p2p_bandwidth=0``:
+    rank, or one per virtual stage (``p * v`` entries). ``backward`` is the backward for inputs (an
+    I action), ``weight`` the weight gradients (a W): a full backward B pays ``backward + weight``. A message costs ``p2p_latency + message_bytes / p2p_bandwidth`` (``p2p_bandwidth=0``:
     infinitely fast).
     """
 
@@ -66,9 +68,10 @@ class Costs:
     def duration(self, schedule: Schedule, rank: int, action: Action) -> float:
         if action.kind == "F":
             return self._of("forward", schedule, rank, action.chunk)
-        if action.kind == "B":
-            t = self._of("backward", schedule, rank, action.chunk)
-            return t if schedule.split_backward else t + self._of("weight", schedule, rank, action.chunk)
+        if action.kind == "B":        # a full backward: input and weight gradients
+            return self._of("backward", schedule, rank, action.chunk) + self._of("weight", schedule, rank, action.chunk)
+        if action.kind == "I":
+            return self._of("backward", schedule, rank, action.chunk)
         if action.kind == "W":
             return self._of("weight", schedule, rank, action.chunk)
         return 0.0
@@ -90,17 +93,18 @@ def _message_key(schedule: Schedule, rank: int, a: Action) -> tuple:
     return ("gradient", a.microbatch, vs + 1)  # RECV_GRAD
 
 
-def dry_run(schedule: Schedule, costs: Costs) -> list[tuple]:
+def dry_run(schedule: Schedule, costs: Costs, *, ordered: bool = False) -> list[tuple]:
     """Run the schedule's actions on modelled time. Returns rows (rank, index, action, start, end).
 
-    Raises :class:`ScheduleError` on a receive that would get another message than it expects, on a
-    deadlock (every unfinished rank waits for a message that is never sent) and on a message that
-    is sent but never received.
+    Raises :class:`ScheduleError` on a deadlock (every unfinished rank waits for a message that is
+    never sent), on a message that is sent but never received and, with ``ordered`` (no tags), on a
+    receive that would get another message than it expects.
     """
     p = schedule.stages
     idx = [0] * p
     clock = [0.0] * p
-    mail: dict[tuple[int, int], deque] = {}
+    fifo: dict[tuple[int, int], deque] = {}           # ordered: per channel, messages in send order
+    tagged: dict[tuple[int, int], dict] = {}          # tagged: per channel, messages by identity
     rows: list[tuple] = []
     hop = costs.message_time()
     progress = True
@@ -111,20 +115,31 @@ def dry_run(schedule: Schedule, costs: Costs) -> list[tuple]:
             while idx[r] < len(acts):
                 a = acts[idx[r]]
                 if a.kind.startswith("SEND"):
-                    mail.setdefault((r, a.peer), deque()).append((_message_key(schedule, r, a), clock[r] + hop, idx[r], a))
+                    msg = (_message_key(schedule, r, a), clock[r] + hop, idx[r], a)
+                    fifo.setdefault((r, a.peer), deque()).append(msg)
+                    tagged.setdefault((r, a.peer), {})[msg[0]] = msg
                     rows.append((r, idx[r], a, clock[r], clock[r]))
                 elif a.kind.startswith("RECV"):
-                    box = mail.get((a.peer, r))
-                    if not box:
-                        break  # blocked: nothing has arrived from the peer yet
-                    key, arrival, s_idx, s_act = box[0]
                     expected = _message_key(schedule, r, a)
-                    if key != expected:
-                        raise ScheduleError(
-                            f"would receive {s_act} (rank {a.peer}'s action #{s_idx}) instead of the message it "
-                            f"expects: messages between rank {a.peer} and rank {r} must be received in the order "
-                            f"they are sent", rank=r, index=idx[r], action=a)
-                    box.popleft()
+                    channel = (a.peer, r)
+                    if ordered:
+                        box = fifo.get(channel)
+                        if not box:
+                            break  # blocked: nothing has arrived from the peer yet
+                        key, arrival, s_idx, s_act = box[0]
+                        if key != expected:
+                            raise ScheduleError(
+                                f"would receive {s_act} (rank {a.peer}'s action #{s_idx}) instead of the message it "
+                                f"expects: without tags, messages between rank {a.peer} and rank {r} must be received "
+                                f"in the order they are sent", rank=r, index=idx[r], action=a)
+                        box.popleft()
+                        del tagged[channel][key]
+                    else:
+                        msg = tagged.get(channel, {}).pop(expected, None)
+                        if msg is None:
+                            break  # blocked: this message has not been sent yet
+                        key, arrival, s_idx, s_act = msg
+                        fifo[channel].remove(msg)
                     start = clock[r]
                     clock[r] = max(clock[r], arrival)
                     rows.append((r, idx[r], a, start, clock[r]))
@@ -141,7 +156,7 @@ def dry_run(schedule: Schedule, costs: Costs) -> list[tuple]:
         r0 = stuck[0]
         raise ScheduleError(f"deadlock: {waits}; no rank can make progress",
                             rank=r0, index=idx[r0], action=schedule.actions[r0][idx[r0]])
-    for (src, dst), box in sorted(mail.items()):
+    for (src, dst), box in sorted(fifo.items()):
         if box:
             _, _, s_idx, s_act = box[0]
             raise ScheduleError(f"is never received: rank {dst} has no matching receive", rank=src,
@@ -161,7 +176,7 @@ class SimResult:
         bubble_ratio: total idle time over total busy time (the "of the ideal time" form of
             Narayanan et al. 2021: ``(p-1)/(v m)`` for interleaved 1F1B).
         peak_inflight: per rank, the most (microbatch, chunk) pairs whose activations are held at
-            once (from the forward until its last backward action, W included when split).
+            once (from the forward until its last backward action: B, or W after I).
         busy_per_rank: compute time per rank.
     """
 
@@ -193,8 +208,8 @@ class SimResult:
 
 
 def inflight_peaks(schedule: Schedule) -> dict[int, int]:
-    """Peak number of (microbatch, chunk) pairs held per rank, from action order alone."""
-    last_kind = "W" if schedule.split_backward else "B"
+    """Peak number of (microbatch, chunk) pairs held per rank, from action order alone (held from
+    the forward until the last backward action: B, or W of a split backward)."""
     peaks = {}
     for r in range(schedule.stages):
         held = peak = 0
@@ -202,7 +217,7 @@ def inflight_peaks(schedule: Schedule) -> dict[int, int]:
             if a.kind == "F":
                 held += 1
                 peak = max(peak, held)
-            elif a.kind == last_kind:
+            elif a.kind in ("B", "W"):
                 held -= 1
         peaks[r] = peak
     return peaks
@@ -219,7 +234,7 @@ def simulate(schedule: Schedule, costs: Union[Costs, Mapping[str, object]]) -> S
     costs = Costs.from_mapping(costs)
     rows = dry_run(schedule, costs)
     compute = [(r, a.kind, a.microbatch, a.chunk, start, end) for r, _, a, start, end in rows
-               if a.kind in ("F", "B", "W")]
+               if a.kind in ("F", "B", "I", "W")]
     timeline = pd.DataFrame(compute, columns=["rank", "action", "microbatch", "chunk", "start", "end"])
     step = max((end for *_, end in rows), default=0.0)
     busy = {r: 0.0 for r in range(schedule.stages)}

@@ -45,9 +45,10 @@ class TrainConfig:
     dp: int = 1
     """Data-parallel degree."""
     schedule: str = "1f1b"
-    """Pipeline schedule: gpipe, 1f1b, interleaved-1f1b or zb-h1 (with pp=1 it is gradient accumulation)."""
+    """Pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v or dualpipev (with pp=1 it is
+    gradient accumulation)."""
     chunks: int = 1
-    """Model chunks per pipeline rank (interleaved-1f1b)."""
+    """Model chunks per pipeline rank (interleaved-1f1b: 2 or more; zb-v and dualpipev: 2, in a V)."""
     micro_batch_size: int = 4
     """Samples per microbatch."""
     global_batch_size: int = 8

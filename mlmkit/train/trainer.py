@@ -54,7 +54,8 @@ class Trainer:
                                       chunks=config.chunks, layers=config.model.layers)
         self.chunks = build_model_chunks(config.model, groups=groups, chunks=config.chunks,
                                          sequence_parallel=config.sequence_parallel, recompute=config.recompute,
-                                         dtype=dtype_of(config.precision), split_backward=self.schedule.split_backward)
+                                         dtype=dtype_of(config.precision), split_backward=self.schedule.split_backward,
+                                         placement=self.schedule.placement)
         named = [(n, p) for c in self.chunks for n, p in c.named_parameters()]
         if config.precision != "fp32":
             attach_main_grads(p for _, p in named)      # fp32 gradients, accumulated across microbatches

@@ -20,7 +20,8 @@ __all__ = [
     "topology_figure",
 ]
 
-ACTION_COLORS = {"F": "#4C78A8", "B": "#F58518", "W": "#54A24B"}
+ACTION_COLORS = {"F": "#4C78A8", "B": "#F58518", "I": "#E45756", "W": "#54A24B"}
+ACTION_NAMES = {"F": "forward", "B": "backward", "I": "backward (inputs)", "W": "weight grad"}
 MEMORY_COLORS = {"parameters": "#4C78A8", "gradients": "#F58518", "optimizer": "#54A24B", "activations": "#E45756"}
 AXIS_COLORS = {"tp": "#4C78A8", "pp": "#F58518", "dp": "#54A24B", "embedding": "#B279A2", "world": "#9D755D"}
 BUBBLE_COLOR = "rgba(150, 150, 150, 0.35)"
@@ -104,14 +105,14 @@ def _timeline_traces(timeline: pd.DataFrame, *, row_offset: float = 0.0, name_su
     t0 = tl.start.min() if t0 is None else t0
     t1 = tl.end.max()
     traces = []
-    for kind in ("F", "B", "W"):
+    for kind in ("F", "B", "I", "W"):
         part = tl[tl.action == kind]
         if part.empty:
             continue
         label = part.microbatch.astype(str) + part.chunk.map(lambda c: f".{c}" if c else "")
         traces.append(go.Bar(
             y=part["rank"] + row_offset, x=part.end - part.start, base=part.start - t0, orientation="h",
-            name={"F": "forward", "B": "backward", "W": "weight grad"}[kind] + name_suffix,
+            name=ACTION_NAMES[kind] + name_suffix,
             marker=dict(color=ACTION_COLORS[kind], line=dict(width=0.5, color="white")), text=label,
             textposition="inside", insidetextanchor="middle", showlegend=showlegend, legendgroup=kind,
             customdata=part[["microbatch", "chunk"]].values,
