@@ -44,7 +44,10 @@ def _run_case(groups, tracer, case):
     name, m, chunks, sp, batch_p2p, masked, stepwise = case
     pp = groups.topology.pp
     tracer.clear()
-    schedule = make_schedule(name, stages=pp, microbatches=m, chunks=chunks, layers=CFG.layers)
+    group = None
+    if name == "interleaved-1f1b" and m % pp:          # Megatron's microbatch groups: a group of 3 at m = 5
+        group = next(n for n in range(pp, m + 1) if m % n == 0 or m % n >= pp)
+    schedule = make_schedule(name, stages=pp, microbatches=m, chunks=chunks, layers=CFG.layers, microbatch_group=group)
     model_chunks = build_model_chunks(CFG, groups=groups, chunks=chunks, sequence_parallel=sp,
                                       split_backward=schedule.split_backward, placement=schedule.placement)
     ex = PipelineExecutor(schedule=schedule, chunks=model_chunks, groups=groups, batch_p2p=batch_p2p)
@@ -104,7 +107,10 @@ def _sweep(tp, pp, cases):
             raise AssertionError(f"case {case}: {err}") from None
         assert all(r["batched"] == batch_p2p for r in results)
         # Every compute action of the schedule ran exactly once and was traced.
-        sched = make_schedule(name, stages=pp, microbatches=m, chunks=chunks)
+        group = None
+        if name == "interleaved-1f1b" and m % pp:
+            group = next(n for n in range(pp, m + 1) if m % n == 0 or m % n >= pp)
+        sched = make_schedule(name, stages=pp, microbatches=m, chunks=chunks, microbatch_group=group)
         for r in results:
             assert len(r["events"]) == len(sched.compute_actions(r["pp"])), case
     return per_rank
@@ -124,8 +130,10 @@ def _cases(pp, *, batch_p2p, masked=False, ms=None):
 @pytest.mark.parametrize("batch_p2p", [False, True], ids=["tagged", "batched"])
 @pytest.mark.parametrize("pp", [2, 4])
 def test_every_schedule_matches_serial(pp, batch_p2p):
-    # Both communication paths, every schedule, m from below p (1F1B and ZB-H1 only) up to 4p.
-    _sweep(1, pp, _cases(pp, batch_p2p=batch_p2p))
+    # Both communication paths, every schedule, m from below p (1F1B and ZB-H1 only) up to 4p, and
+    # interleaving with m not divisible by p (Megatron's microbatch groups).
+    odd = [("interleaved-1f1b", 5 if pp == 2 else 9, 2, False, batch_p2p, False, False)]
+    _sweep(1, pp, _cases(pp, batch_p2p=batch_p2p) + odd)
 
 
 def test_tp_pipeline_sequence_parallel_and_masked_targets():

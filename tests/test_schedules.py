@@ -92,7 +92,14 @@ def test_generated_schedules_validate(name):
 @pytest.mark.parametrize("kwargs,needle", [
     (dict(name="interleaved-1f1b", stages=4, microbatches=2, chunks=2),
      "too few microbatches for 'interleaved-1f1b': microbatches=2 < stages=4"),
-    (dict(name="interleaved-1f1b", stages=4, microbatches=6, chunks=2), "microbatches divisible by stages.*use 8"),
+    (dict(name="interleaved-1f1b", stages=4, microbatches=6, chunks=2),
+     "microbatches=6 leave a last group of 2 .* fewer microbatches than stages=4; Megatron-LM refuses it: it "
+     "introduces dependency bubbles.*or microbatch_group=6"),
+    (dict(name="interleaved-1f1b", stages=2, microbatches=5, chunks=2, microbatch_group=6), r"must lie in \[stages=2, "
+     r"microbatches=5\], got 6"),
+    (dict(name="1f1b", stages=2, microbatches=5, microbatch_group=3), "applies to 'interleaved-1f1b' only"),
+    (dict(name="dualpipev", stages=4, microbatches=6, chunks=2), "dualpipev needs at least .* 8"),
+    (dict(name="zb-v", stages=2, microbatches=4, chunks=3), "exactly 2 model chunks per rank"),
     (dict(name="interleaved-1f1b", stages=2, microbatches=4, chunks=3, layers=8),
      "chunks=3 does not divide the layers: layers=8"),
     (dict(name="1f1b", stages=4, microbatches=4, layers=3), "4 stages .* but only layers=3"),
@@ -317,3 +324,15 @@ def test_batched_semantics_catch_a_swapped_pair_without_tags():
     batches[1] = [b for b in batches[1] if b]
     with pytest.raises(ScheduleError, match="instead of the message it expects"):
         check_batches(s, batches)
+
+
+def test_interleaved_microbatch_groups_follow_megatron():
+    # Megatron-LM's documented table for PP2 N3 M5 VP2: microbatch 0 1 2 0 1 2 3 4 3 4, chunk 0 0 0 1 1 1 0 0 1 1.
+    s = make_schedule("interleaved-1f1b", stages=2, microbatches=5, chunks=2, microbatch_group=3)
+    forwards = [(a.microbatch, a.chunk) for a in s.compute_actions(0) if a.kind == "F"]
+    assert forwards == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (3, 0), (4, 0), (3, 1), (4, 1)]
+    validate(s, batched=True)
+    # With the default group (p) and p dividing m, the order is the classic one: bubble (p-1)/(v m).
+    for p, m in [(2, 4), (4, 8)]:
+        res = simulate(make_schedule("interleaved-1f1b", stages=p, microbatches=m, chunks=2), UNIFORM)
+        assert res.bubble_ratio == pytest.approx((p - 1) / (2 * m))

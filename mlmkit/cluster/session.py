@@ -211,7 +211,8 @@ class Session:
         self.id = uuid.uuid4().hex[:8]
         self.checkpoint_dir, self.save_every_step, self.keep_last_step = checkpoint_dir, save_every_step, keep_last_step
         self.schedule = make_schedule(config.schedule, stages=config.pp, microbatches=config.microbatches,
-                                      chunks=config.chunks, layers=config.model.layers)
+                                      chunks=config.chunks, layers=config.model.layers,
+                                      microbatch_group=config.microbatch_group)
         self._snapshot_dir = self._make_snapshot_dir()
         self.cursor = None
         self.history: list[dict] = []

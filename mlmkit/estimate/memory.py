@@ -232,7 +232,8 @@ def _stage_extra(model: GPTConfig, *, s: int, b: int, t: int, sp: bool, pre: boo
 def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: int, microbatches: int,
                     schedule: str = "1f1b", chunks: int = 1, sequence_parallel: bool = False,
                     recompute: Union[bool, str] = False, zero1: bool = False, precision="fp32",
-                    implementation: str = "mlmkit", layers_per_stage: Optional[Sequence[int]] = None):
+                    implementation: str = "mlmkit", layers_per_stage: Optional[Sequence[int]] = None,
+                    microbatch_group: Optional[int] = None):
     """Estimated bytes per rank as a DataFrame indexed by rank.
 
     Columns: ``parameters``, ``gradients``, ``optimizer``, ``activations`` (peak over the step),
@@ -242,7 +243,8 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
     import pandas as pd
 
     pr = _precision(precision)
-    sched = make_schedule(schedule, stages=topology.pp, microbatches=microbatches, chunks=chunks, layers=model.layers)
+    sched = make_schedule(schedule, stages=topology.pp, microbatches=microbatches, chunks=chunks, layers=model.layers,
+                          microbatch_group=microbatch_group)
     placement = sched.placement
     s, b, t = model.seq_len, micro_batch_size, topology.tp
     sp = sequence_parallel and t > 1
@@ -299,4 +301,5 @@ def estimate_train_memory(config, *, implementation: str = "mlmkit"):
     return estimate_memory(config.model, config.topology, micro_batch_size=config.micro_batch_size,
                            microbatches=config.microbatches, schedule=config.schedule, chunks=config.chunks,
                            sequence_parallel=config.sequence_parallel, recompute=config.recompute,
-                           zero1=config.zero1, precision=config.precision, implementation=implementation)
+                           zero1=config.zero1, precision=config.precision, implementation=implementation,
+                           microbatch_group=config.microbatch_group)

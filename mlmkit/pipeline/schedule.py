@@ -181,20 +181,28 @@ def _one_f_one_b(p: int, m: int) -> list[list[tuple[str, int, int]]]:
     return out
 
 
-def _interleaved(p: int, m: int, v: int) -> list[list[tuple[str, int, int]]]:
-    # Megatron-LM's order: the k-th forward of a rank runs chunk (k // p) % v on microbatch
-    # (k // (p v)) p + k % p; backwards visit chunks in reverse. Needs m % p == 0.
+def _interleaved(p: int, m: int, v: int, group: int) -> list[list[tuple[str, int, int]]]:
+    # Megatron-LM's order: microbatches are taken in groups of `group` (its
+    # microbatch_group_size_per_vp_stage, default p); within a group every chunk runs all of the
+    # group's microbatches, chunk after chunk (the last group takes what remains). The k-th forward
+    # of a rank runs table[k]; backwards read the same table with the chunks reversed. Warm-up:
+    # 2 (p - r - 1) + (v - 1) group forwards. With group = p and m divisible by p this is the
+    # classic (k // p) % v chunk order of Narayanan et al. 2021.
+    table = []
+    for start in range(0, m, group):
+        stop = m if start + group >= m else start + group
+        table += [(mb, c) for c in range(v) for mb in range(start, stop)]
     total = m * v
 
     def fwd(k):
-        return ("F", (k // (p * v)) * p + k % p, (k // p) % v)
+        return ("F", table[k][0], table[k][1])
 
     def bwd(k):
-        return ("B", (k // (p * v)) * p + k % p, v - 1 - (k // p) % v)
+        return ("B", table[k][0], v - 1 - table[k][1])
 
     out = []
     for r in range(p):
-        warmup = min((p - r - 1) * 2 + (v - 1) * p, total)
+        warmup = min((p - r - 1) * 2 + (v - 1) * group, total)
         order = [fwd(k) for k in range(warmup)]                            # warm-up
         for k in range(total - warmup):                                   # steady state
             order += [fwd(warmup + k), bwd(k)]
@@ -383,7 +391,7 @@ def _check_int(name: str, value: object, minimum: int = 1) -> None:
 
 
 def make_schedule(name: str, *, stages: int, microbatches: int, chunks: int = 1,
-                  layers: Optional[int] = None) -> Schedule:
+                  layers: Optional[int] = None, microbatch_group: Optional[int] = None) -> Schedule:
     """Generate a named schedule (one of :data:`SCHEDULES`) for ``stages`` pipeline ranks.
 
     Args:
@@ -391,6 +399,10 @@ def make_schedule(name: str, *, stages: int, microbatches: int, chunks: int = 1,
         stages: pipeline ranks ``p``. microbatches: ``m``. chunks: model chunks per rank ``v``
             (interleaved-1f1b takes ``v >= 2``; zb-v and dualpipev exactly 2, in a V).
         layers: if given, checked to divide into ``p * v`` stages of at least one layer.
+        microbatch_group: interleaved-1f1b only: microbatches per group (Megatron-LM's
+            ``microbatch_group_size_per_vp_stage``; default ``p``). Megatron's rule: ``p <= group
+            <= m``, and the last group's remainder ``m % group`` is 0 or at least ``p``. With the
+            default this asks ``m`` divisible by ``p``; a larger group allows other ``m``.
 
     Raises:
         ScheduleError: with the offending value and the rule it breaks.
@@ -421,14 +433,25 @@ def make_schedule(name: str, *, stages: int, microbatches: int, chunks: int = 1,
             f"too few microbatches for {name!r}: microbatches={m} < stages={p}; the pipeline never fills. "
             f"Use at least {p} microbatches (or 'gpipe'/'1f1b')."
         )
+    if microbatch_group is not None and name != "interleaved-1f1b":
+        raise ScheduleError(f"microbatch_group={microbatch_group!r} applies to 'interleaved-1f1b' only")
+    group = p if microbatch_group is None else microbatch_group
     if name == "interleaved-1f1b":
         if v < 2:
             raise ScheduleError("interleaved-1f1b needs chunks >= 2 (with chunks=1 it is plain '1f1b')")
-        if m % p:
+        _check_int("microbatch_group", group)
+        if not p <= group <= m:
             raise ScheduleError(
-                f"interleaved-1f1b needs microbatches divisible by stages (Megatron-LM's rule): "
-                f"microbatches={m}, stages={p}; use {-(-m // p) * p}"
-            )
+                f"interleaved-1f1b: the microbatch group (contiguous microbatches per virtual stage, Megatron-LM's "
+                f"microbatch_group_size_per_vp_stage) must lie in [stages={p}, microbatches={m}], got {group}")
+        rest = m % group
+        if 0 < rest < p:
+            valid = [n for n in range(p, m + 1) if m % n == 0 or m % n >= p]
+            raise ScheduleError(
+                f"interleaved-1f1b: microbatches={m} leave a last group of {rest} (microbatch_group={group}) "
+                f"with fewer microbatches than stages={p}; Megatron-LM refuses it: it introduces dependency "
+                f"bubbles in the pipeline and reduces throughput. Use microbatches divisible by the group"
+                + (f", or microbatch_group={valid[0]}" if valid else f", or microbatches={-(-m // p) * p}"))
     if layers is not None:
         _check_int("layers", layers)
         if p * v > layers:
@@ -441,7 +464,7 @@ def make_schedule(name: str, *, stages: int, microbatches: int, chunks: int = 1,
     orders = {
         "gpipe": lambda: _gpipe(p, m),
         "1f1b": lambda: _one_f_one_b(p, m),
-        "interleaved-1f1b": lambda: _interleaved(p, m, v),
+        "interleaved-1f1b": lambda: _interleaved(p, m, v, group),
         "zb-h1": lambda: _zb_h1(p, m),
         "zb-v": lambda: _zb_v(p, m),
         "dualpipev": lambda: _dualpipe_v(p, m),

@@ -19,7 +19,8 @@ def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m mlmkit.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="JSON file with TrainConfig fields (model as a nested object)")
-    for name in ("tp", "pp", "dp", "chunks", "micro-batch-size", "global-batch-size", "max-steps", "warmup-steps"):
+    for name in ("tp", "pp", "dp", "chunks", "micro-batch-size", "global-batch-size", "max-steps", "warmup-steps",
+                 "microbatch-group"):
         p.add_argument(f"--{name}", type=int)
     for name in ("lr", "min-lr", "grad-clip", "weight-decay"):
         p.add_argument(f"--{name}", type=float)
@@ -54,6 +55,7 @@ def build_config(args) -> TrainConfig:
     cfg = TrainConfig.from_file(args.config) if args.config else demo_config()
     overrides = {}
     for field in ("tp", "pp", "dp", "chunks", "micro_batch_size", "global_batch_size", "max_steps", "warmup_steps",
+                  "microbatch_group",
                   "lr", "min_lr", "grad_clip", "weight_decay", "schedule", "zero1", "sequence_parallel",
                   "batch_p2p", "precision", "grad_reduce"):
         value = getattr(args, field)

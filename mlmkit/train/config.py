@@ -49,6 +49,9 @@ class TrainConfig:
     gradient accumulation)."""
     chunks: int = 1
     """Model chunks per pipeline rank (interleaved-1f1b: 2 or more; zb-v and dualpipev: 2, in a V)."""
+    microbatch_group: Optional[int] = None
+    """interleaved-1f1b: microbatches per group (Megatron-LM's microbatch_group_size_per_vp_stage;
+    default pp). A group larger than pp allows microbatch counts that pp does not divide."""
     micro_batch_size: int = 4
     """Samples per microbatch."""
     global_batch_size: int = 8
@@ -158,7 +161,7 @@ class TrainConfig:
         self.model.check_parallel(tp=self.tp, pp=self.pp, chunks=self.chunks,
                                   sequence_parallel=self.sequence_parallel)
         make_schedule(self.schedule, stages=topo.pp, microbatches=self.microbatches, chunks=self.chunks,
-                      layers=self.model.layers)
+                      layers=self.model.layers, microbatch_group=self.microbatch_group)
         if not 0 < self.lr or not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"TrainConfig: need 0 < lr and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
 

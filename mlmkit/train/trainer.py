@@ -51,7 +51,8 @@ class Trainer:
         groups.set_tracer(self.tracer)
         torch.manual_seed(config.seed)
         self.schedule = make_schedule(config.schedule, stages=config.pp, microbatches=config.microbatches,
-                                      chunks=config.chunks, layers=config.model.layers)
+                                      chunks=config.chunks, layers=config.model.layers,
+                                      microbatch_group=config.microbatch_group)
         self.chunks = build_model_chunks(config.model, groups=groups, chunks=config.chunks,
                                          sequence_parallel=config.sequence_parallel, recompute=config.recompute,
                                          dtype=dtype_of(config.precision), split_backward=self.schedule.split_backward,
