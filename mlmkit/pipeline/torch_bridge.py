@@ -1,0 +1,124 @@
+"""Schedules to and from PyTorch's pipelining runtime (``torch.distributed.pipelining``, used by
+torchtitan), so a schedule prototyped here can leave the notebook, and torch's schedules can be
+simulated, drawn, stepped and executed here.
+
+PyTorch writes a schedule as one CSV row per rank of actions ``{stage}{kind}{microbatch}``, e.g.
+``0F1,0I0,0W0`` (``_PipelineScheduleRuntime._load_csv`` / ``_dump_csv``). The vocabularies match:
+mlmkit's virtual stage is torch's stage index; ``F`` forward, ``B`` full backward, ``I`` backward
+for inputs, ``W`` backward for weights. In the ``"compute_comms"`` format the messages are spelled
+out too: ``{stage}SEND_F{mb}`` (mlmkit's SEND_ACT), ``RECV_F`` (RECV_ACT), ``SEND_B`` (SEND_GRAD),
+``RECV_B`` (RECV_GRAD). Torch's overlapped ``OVERLAP_F_B`` actions (DualPipeV) become their
+forward and backward one after the other; its FSDP and gradient-reduction bookkeeping
+(``UNSHARD``, ``RESHARD``, ``REDUCE_GRAD``) is dropped.
+
+Pure planning code: actions are read from their text (``str(action)``), torch is not imported.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+from typing import Optional, Union
+
+from mlmkit.pipeline.schedule import Schedule, ScheduleError, schedule_from_table
+
+__all__ = ["from_torch", "to_torch_csv", "torch_rows"]
+
+_COMM_TO_TORCH = {"SEND_ACT": "SEND_F", "RECV_ACT": "RECV_F", "SEND_GRAD": "SEND_B", "RECV_GRAD": "RECV_B"}
+_ACTION = re.compile(r"^(\d+)(F|I|B|W|UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)(\d*)$")
+
+
+def torch_rows(schedule: Schedule, *, format: str = "compute_only") -> list[list[str]]:
+    """Per rank, the schedule's actions in torch's notation (``"0F1"``, ``"1SEND_F0"``, ...)."""
+    if format not in ("compute_only", "compute_comms"):
+        raise ValueError(f"format={format!r}: expected 'compute_only' or 'compute_comms'")
+    rows = []
+    for r, acts in enumerate(schedule.actions):
+        row = []
+        for a in acts:
+            vs = schedule.virtual_stage(r, a.chunk)
+            if a.kind in ("F", "B", "I", "W"):
+                row.append(f"{vs}{a.kind}{a.microbatch}")
+            elif format == "compute_comms":
+                row.append(f"{vs}{_COMM_TO_TORCH[a.kind]}{a.microbatch}")
+        rows.append(row)
+    return rows
+
+
+def to_torch_csv(schedule: Schedule, path: str, *, format: str = "compute_only") -> str:
+    """Write ``schedule`` as torch's CSV (``_PipelineScheduleRuntime._load_csv(path, format)``);
+    returns ``path``."""
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows(torch_rows(schedule, format=format))
+    return path
+
+
+def _parse(text: str) -> Optional[tuple[int, str, Optional[int]]]:
+    m = _ACTION.match(text.strip())
+    if m is None:
+        raise ScheduleError(f"{text!r} is not an action of torch's pipeline notation (e.g. '0F1', '1W0')")
+    return int(m.group(1)), m.group(2), int(m.group(3)) if m.group(3) else None
+
+
+def _torch_order(source) -> list[list[str]]:
+    """Per rank, the compute actions of a CSV file or of a torch schedule's ``pipeline_order``."""
+    if isinstance(source, str):
+        with open(source, newline="") as f:
+            return [[cell for cell in row if cell.strip()] for row in csv.reader(f)]
+    order = getattr(source, "pipeline_order", None)
+    if order is None:
+        raise ScheduleError(f"{type(source).__name__} has no pipeline_order: pass a CSV file or a torch "
+                            f"PipelineScheduleMulti / _PipelineScheduleRuntime instance")
+    rows = []
+    for rank in sorted(order):
+        row = []
+        for action in order[rank]:
+            if action is None:
+                continue
+            subs = getattr(action, "sub_actions", None)
+            row += [str(a) for a in subs] if subs else [str(action)]   # OVERLAP_F_B: F then B
+        rows.append(row)
+    return rows
+
+
+def from_torch(source: Union[str, object], *, name: str = "torch", microbatches: Optional[int] = None) -> Schedule:
+    """An mlmkit :class:`Schedule` from torch's CSV file (path) or a torch schedule instance.
+
+    The stage-to-rank placement (torch's "loop" or "v") is read from where the stages' actions
+    appear; sends and receives are inserted as mlmkit's generators do, so the result runs in
+    mlmkit's executor (either communication path). Validate it with :func:`mlmkit.pipeline.validate`.
+    """
+    rows = _torch_order(source)
+    p = len(rows)
+    stage_rank: dict[int, int] = {}
+    compute = []
+    for r, row in enumerate(rows):
+        for cell in row:
+            stage, kind, mb = _parse(cell)
+            if kind not in ("F", "B", "I", "W"):
+                continue
+            if stage_rank.setdefault(stage, r) != r:
+                raise ScheduleError(f"stage {stage} appears on ranks {stage_rank[stage]} and {r}")
+            compute.append((r, kind, mb, stage))
+    if not compute:
+        raise ScheduleError("the torch schedule has no compute action")
+    n_stages = 1 + max(stage_rank)
+    if n_stages % p:
+        raise ScheduleError(f"{n_stages} stages on {p} ranks: every rank must hold the same number of stages")
+    v = n_stages // p
+    placement = "loop"
+    if all(stage_rank[s] == s % p for s in stage_rank):
+        placement = "loop"
+    elif v == 2 and all(stage_rank[s] == (s if s < p else 2 * p - 1 - s) for s in stage_rank):
+        placement = "v"
+    else:
+        raise ScheduleError("the stages are placed neither in a loop (stage s on rank s % p) nor in a V "
+                            "(2 stages per rank, stage s on rank s or 2p-1-s)")
+
+    def chunk_of(stage: int) -> int:
+        return stage // p if placement == "loop" else (0 if stage < p else 1)
+
+    table = [{"rank": r, "kind": kind, "microbatch": mb, "chunk": chunk_of(stage)} for r, kind, mb, stage in compute]
+    m = microbatches if microbatches is not None else 1 + max(row["microbatch"] for row in table)
+    return schedule_from_table(table, stages=p, microbatches=m, chunks=v, name=name, add_communication=True,
+                               placement=placement)

@@ -1,0 +1,152 @@
+"""Schedules to and from PyTorch's pipelining runtime: CSV round trip, mlmkit's schedules executed by
+torch's ``_PipelineScheduleRuntime`` with PipelineStage modules built from mlmkit's GPT stages, and
+torch's own schedules executed by mlmkit, all against the serial model."""
+
+import pytest
+import torch
+
+from mlmkit import Topology
+from mlmkit.distributed import ProcessGroups, run_ranks
+from mlmkit.model import GPT, gather_full, tiny_config
+from mlmkit.pipeline import from_torch, make_schedule, simulate, to_torch_csv, validate
+from mlmkit.pipeline.executor import PipelineExecutor, build_model_chunks, sync_embedding_grads
+
+CFG = tiny_config(layers=8, hidden=32, heads=4, seq_len=8)
+MB = 2
+TOL = 1e-5
+CASES = [("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-v", 2)]
+
+
+def _data(m):
+    g = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, CFG.vocab_size, (m * MB, CFG.seq_len), generator=g)
+    return tokens, torch.randint(0, CFG.vocab_size, (m * MB, CFG.seq_len), generator=g)
+
+
+def _grads(models) -> dict:
+    out = {}
+    for model in models:
+        out.update(gather_full(model, grads=True))
+    return out
+
+
+@pytest.mark.parametrize("name,chunks", CASES)
+@pytest.mark.parametrize("fmt", ["compute_only", "compute_comms"])
+def test_csv_round_trip(name, chunks, fmt, tmp_path):
+    s = make_schedule(name, stages=4, microbatches=8, chunks=chunks)
+    path = to_torch_csv(s, str(tmp_path / "s.csv"), format=fmt)
+    rows = open(path).read().splitlines()
+    assert len(rows) == 4 and all(rows)
+    assert ("SEND_F" in open(path).read()) == (fmt == "compute_comms")
+    back = from_torch(path)
+    assert back.placement == s.placement and back.chunks == s.chunks
+    assert back.actions == s.actions            # compute order and the messages inserted around it
+    validate(back, batched=True)
+
+
+def _torch_runtime(groups, sched, path, models, tokens, targets):
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+    stages = [PipelineStage(mod, mod.stage.index, sched.virtual_stages, torch.device("cpu"), group=groups.pp.pg)
+              for mod in models]
+    last = [mod for mod in models if mod.stage.post_process]
+    runtime = _PipelineScheduleRuntime(stages, sched.microbatches, loss_fn=lambda out, tgt: last[0].loss(out, tgt))
+    runtime._load_csv(path, format="compute_only")
+    losses = []
+    args = (tokens,) if any(mod.stage.pre_process for mod in models) else ()
+    runtime.step(*args, **(dict(target=targets, losses=losses) if last else {}))
+    return sum(float(x.detach()) for x in losses) / len(losses) if losses else None
+
+
+def _cross(rank, world_size, name, chunks, m, path):
+    groups = ProcessGroups.build(Topology(pp=world_size))
+    sched = make_schedule(name, stages=world_size, microbatches=m, chunks=chunks)
+    tokens, targets = _data(m)
+    ours = build_model_chunks(CFG, groups=groups, chunks=chunks, placement=sched.placement,
+                              split_backward=sched.split_backward)
+    loss_ours = PipelineExecutor(schedule=sched, chunks=ours, groups=groups).run_step(tokens, targets)
+    theirs = build_model_chunks(CFG, groups=groups, chunks=chunks, placement=sched.placement)
+    loss_theirs = _torch_runtime(groups, sched, path, theirs, tokens, targets)
+    # torch's runtime does not know that the first and last stage share the (tied) word embedding:
+    # sum the two copies' gradients as mlmkit's executor does at the end of its step.
+    sync_embedding_grads(theirs, groups.embedding)
+    return {"ours": (loss_ours, _grads(ours)), "theirs": (loss_theirs, _grads(theirs))}
+
+
+@pytest.mark.parametrize("name,chunks", CASES)
+def test_torch_runtime_runs_mlmkit_schedules_and_agrees(name, chunks, tmp_path):
+    m = 4
+    path = to_torch_csv(make_schedule(name, stages=2, microbatches=m, chunks=chunks), str(tmp_path / "s.csv"))
+    results = run_ranks(_cross, world_size=2, args=(name, chunks, m, path), timeout_s=120)
+    losses = {k: [r[k][0] for r in results if r[k][0] is not None] for k in ("ours", "theirs")}
+    assert len(losses["ours"]) == len(losses["theirs"]) == 1
+    assert abs(losses["ours"][0] - losses["theirs"][0]) <= TOL
+    for r in results:
+        (_, g_ours), (_, g_theirs) = r["ours"], r["theirs"]
+        assert set(g_ours) == set(g_theirs)
+        for n in g_ours:
+            assert (g_ours[n] - g_theirs[n]).abs().max().item() <= TOL, n
+
+
+def _serial(m):
+    model = GPT(CFG)
+    tokens, targets = _data(m)
+    loss = model(tokens, targets)
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+
+TORCH_CLASSES = [("ScheduleInterleaved1F1B", 8), ("ScheduleLoopedBFS", 8), ("ScheduleInterleavedZeroBubble", 8),
+                 ("ScheduleZBVZeroBubble", 8), ("ScheduleDualPipeV", 8)]
+
+
+def _run_torch_class(rank, world_size, cls_name, m):
+    import torch.distributed.pipelining.schedules as S
+    from torch.distributed.pipelining import PipelineStage
+
+    groups = ProcessGroups.build(Topology(pp=world_size))
+    v_shaped = cls_name in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+    indices = [rank, 2 * world_size - 1 - rank] if v_shaped else [rank, rank + world_size]
+    probe = [GPT(CFG, stage=_stage(i, 2 * world_size)) for i in indices]
+    stages = [PipelineStage(mod, i, 2 * world_size, torch.device("cpu"), group=groups.pp.pg)
+              for mod, i in zip(probe, indices)]
+    torch_schedule = getattr(S, cls_name)(stages, m, loss_fn=lambda out, tgt: out.sum())
+    sched = validate(from_torch(torch_schedule, name=cls_name), batched=True)
+    models = build_model_chunks(CFG, groups=groups, chunks=2, placement=sched.placement,
+                                split_backward=sched.split_backward)
+    loss = PipelineExecutor(schedule=sched, chunks=models, groups=groups).run_step(*_data(m))
+    return {"loss": loss, "grads": _grads(models), "schedule": sched}
+
+
+def _stage(index, total):
+    from mlmkit.model.gpt import Stage, split_layers
+
+    return Stage(layers=split_layers(CFG.layers, total)[index], pre_process=index == 0, post_process=index == total - 1,
+                 index=index)
+
+
+@pytest.mark.parametrize("cls_name,m", TORCH_CLASSES)
+def test_torch_schedules_run_in_mlmkit(cls_name, m):
+    results = run_ranks(_run_torch_class, world_size=2, args=(cls_name, m), timeout_s=120)
+    ref_loss, ref_grads = _serial(m)
+    losses = [r["loss"] for r in results if r["loss"] is not None]
+    assert len(losses) == 1 and abs(losses[0] - ref_loss) <= TOL
+    merged = {}
+    for r in results:
+        merged.update({k: v for k, v in r["grads"].items() if k != "head_weight"})
+    for n, g in merged.items():
+        assert (g - ref_grads[n]).abs().max().item() <= TOL, n
+    sched = results[0]["schedule"]
+    assert sched.chunks == 2 and sched.placement == ("v" if "V" in cls_name else "loop")
+    simulate(sched, {"forward": 1.0, "backward": 1.0, "weight": 1.0})     # and it simulates
+
+
+def test_from_torch_refuses_what_it_cannot_place(tmp_path):
+    path = tmp_path / "bad.csv"
+    path.write_text("0F0,1F0\n0B0,1B0\n")       # stage 0 on ranks 0 and 1
+    with pytest.raises(ValueError, match="stage 0 appears on ranks 0 and 1"):
+        from_torch(str(path))
+    path.write_text("0F0,0Q1\n")
+    with pytest.raises(ValueError, match="'0Q1' is not an action of torch's pipeline notation"):
+        from_torch(str(path))
