@@ -459,6 +459,46 @@ timeline_comparison(sim.timeline, measured, title="1F1B on 2 ranks: simulated (c
 span = measured.end.max() - measured.start.min()
 print(f"measured step {span*1e3:.1f} ms, simulated {sim.step_time*1e3:.1f} ms")
 """),
+    md("""
+## Zero bubble for real: 1F1B, ZB-H1 and ZB-V on the same ranks
+Zero-bubble schedules split a backward into **I** (the input gradient, which the previous stage
+waits for) and **W** (the weight-gradient GEMMs, which nobody waits for) and use W to fill bubbles.
+mlmkit's linear layers really defer their weight GEMMs during I, so **I + W costs one backward**
+(B). ZB-V also places 2 chunks per rank in a V (rank 0 holds the first and the last stage). Each
+schedule is measured, calibrated from its own trace, and simulated:
+"""),
+    code("""
+import pandas as pd
+from mlmkit.pipeline.simulate import calibrate
+rows, timelines = [], {}
+for name, chunks in (("1f1b", 1), ("zb-h1", 1), ("zb-v", 2)):
+    cfg = config.replace(schedule=name, chunks=chunks)
+    s = cluster.session(cfg)
+    s.step()
+    s.traces(clear=True)
+    s.step()
+    ev = s.traces()["events"]
+    s.close()
+    sched = make_schedule(name, stages=2, microbatches=cfg.microbatches, chunks=chunks)
+    sim = simulate(sched, calibrate(ev, sched))
+    per_action = ev.assign(d=(ev.end - ev.start) * 1e3).groupby("action").d.mean()
+    rows.append({"schedule": name, "measured step (ms)": (ev.end.max() - ev.start.min()) * 1e3,
+                 "simulated step (ms)": sim.step_time * 1e3, "simulated bubble": sim.bubble_fraction,
+                 **{f"mean {k} (ms)": v for k, v in per_action.items()}})
+    timelines[name] = (sim.timeline, ev)
+table = pd.DataFrame(rows).set_index("schedule")
+zb = table.loc["zb-h1"]
+assert abs(zb["mean I (ms)"] + zb["mean W (ms)"] - table.loc["1f1b", "mean B (ms)"]) < 0.5 * table.loc["1f1b", "mean B (ms)"]
+table.round(2)
+"""),
+    code("""
+timeline_comparison(*timelines["zb-v"], title="ZB-V on 2 ranks: simulated (calibrated) vs measured")
+"""),
+    md("""
+On a laptop whose ranks each have a core, zero bubble shortens the step when W fills real idle
+time. With more ranks than cores the idle time is not idle (another rank computes), so it gains
+little: `simulate(..., cores=2)` models exactly that (see `benchmarks/RESULTS.md`).
+"""),
     code("""
 cluster.shutdown()
 """),

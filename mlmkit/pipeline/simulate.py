@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, fields
-from typing import Mapping, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 from mlmkit.pipeline.schedule import Action, Schedule, ScheduleError
 
-__all__ = ["Costs", "SimResult", "simulate", "dry_run"]
+__all__ = ["Costs", "SimResult", "calibrate", "dry_run", "shared_run", "simulate"]
 
 Number = Union[int, float]
 
@@ -30,13 +30,16 @@ class Costs:
 
     ``forward``, ``backward`` and ``weight`` are a constant, a sequence with one entry per pipeline
     rank, or one per virtual stage (``p * v`` entries). ``backward`` is the backward for inputs (an
-    I action), ``weight`` the weight gradients (a W): a full backward B pays ``backward + weight``. A message costs ``p2p_latency + message_bytes / p2p_bandwidth`` (``p2p_bandwidth=0``:
+    I action), ``weight`` the weight gradients (a W): a full backward B pays ``backward + weight``.
+    ``overhead`` is added to every compute action: the runtime's own work around it (the executor,
+    its messages' copies), as measured by :func:`mlmkit.pipeline.calibrate.measure_overhead`. A message costs ``p2p_latency + message_bytes / p2p_bandwidth`` (``p2p_bandwidth=0``:
     infinitely fast).
     """
 
     forward: Union[Number, Sequence[Number]] = 0.0
     backward: Union[Number, Sequence[Number]] = 0.0
     weight: Union[Number, Sequence[Number]] = 0.0
+    overhead: float = 0.0
     p2p_latency: float = 0.0
     p2p_bandwidth: float = 0.0
     message_bytes: float = 0.0
@@ -67,18 +70,45 @@ class Costs:
 
     def duration(self, schedule: Schedule, rank: int, action: Action) -> float:
         if action.kind == "F":
-            return self._of("forward", schedule, rank, action.chunk)
+            return self._of("forward", schedule, rank, action.chunk) + self.overhead
         if action.kind == "B":        # a full backward: input and weight gradients
-            return self._of("backward", schedule, rank, action.chunk) + self._of("weight", schedule, rank, action.chunk)
+            return (self._of("backward", schedule, rank, action.chunk) + self._of("weight", schedule, rank, action.chunk)
+                    + self.overhead)
         if action.kind == "I":
-            return self._of("backward", schedule, rank, action.chunk)
+            return self._of("backward", schedule, rank, action.chunk) + self.overhead
         if action.kind == "W":
-            return self._of("weight", schedule, rank, action.chunk)
+            return self._of("weight", schedule, rank, action.chunk) + self.overhead
         return 0.0
 
     def message_time(self) -> float:
         bw = self.p2p_bandwidth
         return self.p2p_latency + (self.message_bytes / bw if bw else 0.0)
+
+
+def calibrate(timeline, schedule: Schedule, *, statistic: str = "median", p2p_latency: float = 0.0) -> Costs:
+    """:class:`Costs` per virtual stage from a measured timeline (rows rank, action, chunk, start,
+    end: a trace's ``events`` or a :func:`simulate` timeline). ``forward`` from F, ``backward``
+    from I (or from B minus ``weight`` when the timeline has no split backward), ``weight`` from W.
+    ``statistic``: "median", "mean" or "min" of each action's durations."""
+    import pandas as pd  # noqa: F401  (timeline is a DataFrame)
+
+    tl = timeline.assign(d=timeline.end - timeline.start)
+    tl = tl.assign(vs=[schedule.virtual_stage(int(r), int(c)) for r, c in zip(tl["rank"], tl["chunk"])])
+    stat = {"median": "median", "mean": "mean", "min": "min"}[statistic]
+
+    def per_stage(kind):
+        part = tl[tl.action == kind]
+        values = part.groupby("vs").d.agg(stat)
+        return [float(values.get(v, float("nan"))) for v in range(schedule.virtual_stages)]
+
+    fwd, full, inp, wgt = per_stage("F"), per_stage("B"), per_stage("I"), per_stage("W")
+    backward, weight = [], []
+    for v in range(schedule.virtual_stages):
+        w = wgt[v] if wgt[v] == wgt[v] else 0.0
+        b = inp[v] if inp[v] == inp[v] else (full[v] - w if full[v] == full[v] else 0.0)
+        backward.append(b)
+        weight.append(w)
+    return Costs(forward=fwd, backward=backward, weight=weight, p2p_latency=p2p_latency)
 
 
 def _message_key(schedule: Schedule, rank: int, a: Action) -> tuple:
@@ -223,16 +253,83 @@ def inflight_peaks(schedule: Schedule) -> dict[int, int]:
     return peaks
 
 
-def simulate(schedule: Schedule, costs: Union[Costs, Mapping[str, object]]) -> SimResult:
+def shared_run(schedule: Schedule, costs: Costs, *, cores: float) -> list[tuple]:
+    """Like :func:`dry_run`, for ranks that share ``cores`` processors (a laptop running more ranks
+    than it has cores): at any moment the ranks that are computing share the cores equally (each at
+    speed ``min(1, cores / computing ranks)``; processor sharing), while waiting ranks use none.
+    Costs are each action's time when it runs alone. Messages are matched by identity (tags)."""
+    p = schedule.stages
+    idx = [0] * p
+    remaining = [None] * p            # work left in the current compute action
+    started = [0.0] * p
+    sent: dict[tuple, float] = {}     # message identity -> arrival time
+    rows: list[tuple] = []
+    t = 0.0
+    hop = costs.message_time()
+    while True:
+        progress = True
+        while progress:               # take every action that needs no time now
+            progress = False
+            for r in range(p):
+                acts = schedule.actions[r]
+                while remaining[r] is None and idx[r] < len(acts):
+                    a = acts[idx[r]]
+                    if a.kind.startswith("SEND"):
+                        sent[(a.peer, _message_key(schedule, r, a))] = t + hop
+                        rows.append((r, idx[r], a, t, t))
+                    elif a.kind.startswith("RECV"):
+                        arrival = sent.get((r, _message_key(schedule, r, a)))
+                        if arrival is None or arrival > t:
+                            break
+                        del sent[(r, _message_key(schedule, r, a))]
+                        rows.append((r, idx[r], a, t, t))
+                    else:
+                        remaining[r], started[r] = costs.duration(schedule, r, a), t
+                        if remaining[r] <= 0:
+                            rows.append((r, idx[r], a, t, t))
+                            remaining[r] = None
+                        else:
+                            break
+                    idx[r] += 1
+                    progress = True
+        busy = [r for r in range(p) if remaining[r] is not None]
+        waiting_arrivals = [v for v in sent.values() if v > t]
+        if not busy and not waiting_arrivals:
+            break
+        speed = min(1.0, cores / len(busy)) if busy else 0.0
+        dt = min([remaining[r] / speed for r in busy] + [v - t for v in waiting_arrivals])
+        t += dt
+        for r in busy:
+            remaining[r] -= dt * speed
+            if remaining[r] <= 1e-12:
+                a = schedule.actions[r][idx[r]]
+                rows.append((r, idx[r], a, started[r], t))
+                remaining[r] = None
+                idx[r] += 1
+    stuck = [r for r in range(p) if idx[r] < len(schedule.actions[r])]
+    if stuck:
+        raise ScheduleError("deadlock: " + "; ".join(f"rank {r} waits at action #{idx[r]} {schedule.actions[r][idx[r]]}"
+                                                     for r in stuck), rank=stuck[0])
+    return rows
+
+
+def simulate(schedule: Schedule, costs: Union[Costs, Mapping[str, object]], *,
+             cores: Optional[float] = None) -> SimResult:
     """Simulate ``schedule`` with ``costs`` (a :class:`Costs` or a mapping such as
-    ``{"forward": 1.0, "backward": 2.0}``; missing kinds cost nothing)."""
+    ``{"forward": 1.0, "backward": 2.0}``; missing kinds cost nothing).
+
+    ``cores``: the ranks share this many processors (:func:`shared_run`); ``None``: each rank has
+    its own (one GPU per rank)."""
     import pandas as pd
 
     from mlmkit.pipeline.validate import validate
 
     validate(schedule)
     costs = Costs.from_mapping(costs)
-    rows = dry_run(schedule, costs)
+    if cores is not None and not cores > 0:
+        raise ValueError(f"simulate: cores={cores!r} must be > 0 (or None: one processor per rank)")
+    shared = cores is not None and cores < schedule.stages
+    rows = shared_run(schedule, costs, cores=cores) if shared else dry_run(schedule, costs)
     compute = [(r, a.kind, a.microbatch, a.chunk, start, end) for r, _, a, start, end in rows
                if a.kind in ("F", "B", "I", "W")]
     timeline = pd.DataFrame(compute, columns=["rank", "action", "microbatch", "chunk", "start", "end"])

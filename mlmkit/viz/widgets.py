@@ -13,6 +13,7 @@ import ipywidgets as W
 from IPython.display import display
 
 from mlmkit.pipeline import SCHEDULES, ScheduleError, make_schedule, simulate
+from mlmkit.pipeline.schedule import V_SCHEDULES
 from mlmkit.viz.figures import timeline_figure
 
 __all__ = ["ScheduleExplorer", "SessionControls", "schedule_explorer"]
@@ -65,7 +66,7 @@ class ScheduleExplorer:
         """Re-simulate with the current values and redraw."""
         name = self.schedule.value
         self.chunks.disabled = name != "interleaved-1f1b"
-        chunks = self.chunks.value if name == "interleaved-1f1b" else 1
+        chunks = self.chunks.value if name == "interleaved-1f1b" else (2 if name in V_SCHEDULES else 1)
         costs = {"forward": self.forward.value, "backward": self.backward.value, "weight": self.weight.value}
         try:
             sched = make_schedule(name, stages=self.stages.value, microbatches=self.microbatches.value, chunks=chunks)
