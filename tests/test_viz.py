@@ -29,7 +29,7 @@ def test_timeline_blocks_and_bubble_share(name, chunks):
     res = simulate(make_schedule(name, stages=4, microbatches=8, chunks=chunks),
                    {"forward": 1.0, "backward": 2.0, "weight": 1.0})
     fig = timeline_figure(res.timeline)
-    blocks = [t for t in fig.data if t.name in ("forward", "backward", "weight grad")]
+    blocks = [t for t in fig.data if t.name in ("forward", "backward", "backward (inputs)", "weight grad")]
     assert sum(len(t.x) for t in blocks) == len(res.timeline)       # one block per action
     bubble = next(t for t in fig.data if t.name == "bubble")
     shaded = pd.Series(list(bubble.x)).groupby(list(bubble.y)).sum()

@@ -327,11 +327,13 @@ class PipelineExecutor:
         """Where this rank is: next action, and the activations it holds with their shapes."""
         held = {}
         for (mb, c), h in sorted(self._held.items()):
-            if h.released:
-                continue
             key = f"mb{mb}" + (f".chunk{c}" if self.schedule.chunks > 1 else "")
-            held[key] = {"input": tuple(h.input.shape) if h.input is not None else None,
-                         "output": tuple(h.output.shape)}
+            if not h.released:
+                held[key] = {"input": tuple(h.input.shape) if h.input is not None else None,
+                             "output": tuple(h.output.shape)}
+            elif h.weight_work:       # after I, until W: each linear's input and output gradient
+                nbytes = sum(t.numel() * t.element_size() for *_, x, dy, _tok in h.weight_work for t in (x, dy))
+                held[key] = {"waiting_for_W": f"{len(h.weight_work)} linear layers, {nbytes} bytes"}
         nxt = self.next_step_text()
         return StepState(rank=self.groups.rank, pp_rank=self.pp_rank, index=self.index, total=len(self.actions),
                          next_action=nxt, held=held, loss=self.loss if self.done else None)
