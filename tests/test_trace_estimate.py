@@ -61,7 +61,7 @@ def test_measured_bytes_per_axis_equal_estimate(traced):
     cfg, traces = traced
     est = estimate_train_comm(cfg)
     table = compare_comm(traces["comm"], est)
-    assert set(table.kind) == {"tp", "pp", "dp", "embedding", "world"}
+    assert set(table.kind) == {"tp", "cp", "pp", "dp", "embedding", "world"}
     mismatched = table[table.measured != table.estimated]
     assert mismatched.empty, mismatched
     axes = ["tp", "pp", "dp"] + (["embedding"] if cfg.model.tie_embeddings else [])

@@ -655,7 +655,7 @@ class Cluster:
                          "pid": self.info[r]["pid"] if self.info else None,
                          "device": self.setup[r]["device"] if r < len(self.setup) else None,
                          "threads": self.setup[r]["threads"] if r < len(self.setup) else None,
-                         "tp": c.tp, "dp": c.dp, "pp": c.pp})
+                         "tp": c.tp, "cp": c.cp, "dp": c.dp, "pp": c.pp})
         return pd.DataFrame(rows).set_index("rank")
 
     def __repr__(self) -> str:

@@ -131,7 +131,7 @@ def _state(state, sid):
     st = ex.state()
     mem = t.memory
     c = state.groups.coords
-    return {"rank": state.rank, "tp": c.tp, "dp": c.dp, "pp": c.pp, "step": t.step,
+    return {"rank": state.rank, "tp": c.tp, "cp": c.cp, "dp": c.dp, "pp": c.pp, "step": t.step,
             "position": st.index, "actions": st.total, "next_action": st.next_action,
             "held": st.held, "held_count": len(st.held),
             "activation_bytes": mem.activations if mem else None,

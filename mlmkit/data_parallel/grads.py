@@ -120,7 +120,7 @@ def clip_grad_norm(params: Sequence[nn.Parameter], groups: ProcessGroups, *, max
         sq = torch.stack(norms).double().pow(2).sum() if grads else torch.zeros((), dtype=torch.float64,
                                                                                   device=groups.device)
         groups.world.all_reduce(sq, site="grad_norm")
-        total = sq / groups.topology.dp
+        total = sq / groups.dp_cp.size      # replicas (dp x cp) hold identical gradients
     else:
         total = local_sumsq.double().clone()
         groups.world.all_reduce(total, site="grad_norm")

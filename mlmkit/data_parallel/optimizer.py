@@ -21,6 +21,10 @@ Adam moments, and casts it back into the bf16 parameters. Gradients are reduced 
 parameter: fp32 16 (4 + 4 + 8; the parameter is the master), bf16 18 (2 + 4 + 4 + 8), and with
 ZeRO-1 over ``d`` replicas 4 + 4 + 12/d and 6 + 12/d (Megatron-LM's figures).
 
+With context parallelism the dense parameters are replicated over dp x cp ranks, so "the dp group"
+above is the dp-cp group (:attr:`ProcessGroups.dp_cp`, Megatron-LM's data-parallel group with
+context parallelism): gradients are averaged and ZeRO-1 shards cut over ``dp * cp`` ranks.
+
 AdamW is element-wise, so updating shards gives exactly the same numbers as updating the whole.
 Both expose the state per parameter name (:meth:`state_by_name`, with the master weights under
 mixed precision) so checkpoints are layout-free and resume exactly.
@@ -90,7 +94,7 @@ class ReplicatedAdamW(_Base):
 
     def step(self, *, lr: float) -> float:
         """Average, clip, update. Returns the global gradient norm before clipping."""
-        allreduce_gradients(self.params, self.groups.dp, bucket_bytes=self.bucket_bytes,
+        allreduce_gradients(self.params, self.groups.dp_cp, bucket_bytes=self.bucket_bytes,
                             reduce_dtype=self.grad_reduce_dtype)
         self.last_grad_norm = clip_grad_norm(self.params, self.groups, max_norm=self.max_grad_norm)
         for g in self.opt.param_groups:
@@ -144,10 +148,10 @@ class ShardedAdamW(_Base):
 
     def __init__(self, named_params, groups: ProcessGroups, **kw):
         super().__init__(named_params, groups, **kw)
-        dp = groups.dp.size
+        dp = groups.dp_cp.size
         self.numel = sum(p.numel() for p in self.params)
         self.shard_size = -(-self.numel // dp)           # ceil(N / dp); the flat vector is zero-padded
-        self.start = groups.dp.rank * self.shard_size
+        self.start = groups.dp_cp.rank * self.shard_size
         flat = self._flat([p.detach().float() for p in self.params])
         self.shard = nn.Parameter(flat[self.start:self.start + self.shard_size].clone())   # fp32 master shard
         # 1 where this element counts towards the global gradient norm, else 0 (module grads).
@@ -169,11 +173,11 @@ class ShardedAdamW(_Base):
     def _flat(self, tensors) -> torch.Tensor:
         # [N] -> [dp * shard_size], zero-padded at the end.
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        pad = self.shard_size * self.groups.dp.size - flat.numel()
+        pad = self.shard_size * self.groups.dp_cp.size - flat.numel()
         return torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
 
     def step(self, *, lr: float) -> float:
-        dp = self.groups.dp
+        dp = self.groups.dp_cp
         grads = self._flat([param_grad(p) if param_grad(p) is not None else torch.zeros_like(p, dtype=torch.float32)
                             for p in self.params])
         if dp.size > 1:
@@ -203,7 +207,7 @@ class ShardedAdamW(_Base):
         return self.last_grad_norm
 
     def _gather(self, local: torch.Tensor) -> torch.Tensor:
-        dp = self.groups.dp
+        dp = self.groups.dp_cp
         return dp.all_gather(local.detach(), dim=0, site="zero1.checkpoint") if dp.size > 1 else local.detach()
 
     def state_by_name(self) -> tuple[dict[str, dict[str, torch.Tensor]], int]:

@@ -17,7 +17,7 @@ from mlmkit.trace import ring_wire_bytes
 if TYPE_CHECKING:
     from mlmkit.trace import Tracer
 
-__all__ = ["CommGroup"]
+__all__ = ["CommGroup", "RingShift"]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -33,7 +33,7 @@ class CommGroup:
     """A process group along ``axis`` containing ``ranks`` (global ranks, in group order).
 
     Args:
-        axis: ``"tp"``, ``"dp"``, ``"pp"``, ``"embedding"`` or ``"world"``.
+        axis: ``"tp"``, ``"cp"``, ``"dp"``, ``"pp"``, ``"embedding"``, ``"ep"``, ... or ``"world"``.
         ranks: the global ranks of the group; this rank's position in it is :attr:`rank`.
         global_rank: this process's global rank.
         pg: the torch process group (``None`` for a group of size 1).
@@ -134,6 +134,41 @@ class CommGroup:
                      wire=_nbytes(tensor) if self.rank == src else 0, phase=phase)
         return tensor
 
+    def ring_shift(self, tensor: torch.Tensor, *, site: str = "", phase: str = "", tag: int = 0) -> "RingShift":
+        """Send ``tensor`` to the next member of the ring and receive the previous member's tensor of
+        the same shape, without waiting: returns a :class:`RingShift` whose ``wait()`` gives the
+        received tensor. Both messages are posted as one batch (safe under NCCL, where two ranks
+        sending to each other in separate calls could block). ``tag`` keeps two kinds of
+        messages in flight at once apart (on gloo; NCCL matches them in posting order)."""
+        n = self.size
+        if n == 1:
+            raise ValueError(f"ring_shift on {self.axis}: a group of one rank has no ring")
+        me = self.rank
+        nxt, prv = self.ranks[(me + 1) % n], self.ranks[(me - 1) % n]
+        send = tensor.contiguous()
+        recv = torch.empty_like(send)
+        start = self._now()
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt, self.pg, tag),
+                                        dist.P2POp(dist.irecv, recv, prv, self.pg, tag)])
+        return RingShift(self, works, send, recv, start, site, phase, nxt, prv)
+
     def barrier(self) -> None:
         if self.size > 1:
             dist.barrier(group=self.pg)
+
+
+class RingShift:
+    """A posted :meth:`CommGroup.ring_shift`; ``wait()`` returns the received tensor (once)."""
+
+    def __init__(self, group: CommGroup, works, send, recv, start, site, phase, nxt, prv):
+        self.group, self.works, self.send, self.recv = group, works, send, recv
+        self.start, self.site, self.phase, self.nxt, self.prv = start, site, phase, nxt, prv
+
+    def wait(self) -> torch.Tensor:
+        for w in self.works:
+            w.wait()
+        g, n = self.group, _nbytes(self.recv)
+        g._record("send", n, self.start, self.site, peers=(g.global_rank, self.nxt), wire=n, phase=self.phase)
+        g._record("recv", n, self.start, self.site, peers=(g.global_rank, self.prv), wire=0, phase=self.phase)
+        self.send = None
+        return self.recv

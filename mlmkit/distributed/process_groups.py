@@ -110,17 +110,29 @@ def _loopback_interface() -> str:
     return "lo"
 
 
+#: The process groups each rank builds: attribute name -> group kind of :meth:`Topology.groups`.
+GROUP_ATTRS: dict[str, str] = {
+    "tp": "tp", "cp": "cp", "dp": "dp", "dp_cp": "dp-cp", "pp": "pp", "embedding": "embedding",
+    "ep": "ep", "expert_tp": "expert-tp", "expert_dp": "expert-dp",
+}
+
+
 @dataclass
 class ProcessGroups:
-    """The groups this rank belongs to, one :class:`CommGroup` per axis.
+    """The groups this rank belongs to, one :class:`CommGroup` per kind.
 
     Attributes:
         topology: the grid.
-        rank: this global rank; ``coords`` its (tp, dp, pp) coordinates.
-        tp, dp, pp: this rank's group along each axis.
+        rank: this global rank; ``coords`` its (tp, cp, dp, pp) coordinates.
+        tp, cp, dp, pp: this rank's group along each axis of the dense grid.
+        dp_cp: the ranks holding the same dense parameters (data x context parallel): gradients
+            are averaged and ZeRO shards are cut over it (Megatron-LM's "dp with cp" group).
         embedding: first and last pipeline stage of this replica (``None`` on middle stages).
+        ep, expert_tp, expert_dp: the expert grid's groups (mixture-of-experts layers).
         world: all ranks.
         device: where this rank's tensors live.
+
+    Groups with the same members share one torch process group (``dp_cp`` is ``dp`` when cp = 1).
     """
 
     topology: Topology
@@ -132,6 +144,22 @@ class ProcessGroups:
     embedding: Optional[CommGroup]
     world: CommGroup
     device: torch.device
+    cp: Optional[CommGroup] = None
+    dp_cp: Optional[CommGroup] = None
+    ep: Optional[CommGroup] = None
+    expert_tp: Optional[CommGroup] = None
+    expert_dp: Optional[CommGroup] = None
+
+    def __post_init__(self) -> None:
+        # Groups a caller left out are this rank alone (or, for dp_cp, the dp group when cp = 1).
+        for name in ("cp", "ep", "expert_tp", "expert_dp"):
+            if getattr(self, name) is None:
+                setattr(self, name, CommGroup(axis=name, ranks=[self.rank], global_rank=self.rank, pg=None,
+                                              tracer=self.tp.tracer))
+        if self.dp_cp is None:
+            if self.cp.size > 1:
+                raise ValueError("ProcessGroups: give dp_cp when cp > 1")
+            self.dp_cp = self.dp
 
     @classmethod
     def build(cls, topology: Topology, *, rank: Optional[int] = None, tracer=None,
@@ -145,34 +173,50 @@ class ProcessGroups:
         topology.check_world_size(dist.get_world_size())
         rank = dist.get_rank() if rank is None else rank
         mine: dict[str, CommGroup] = {}
+        made: dict[tuple[int, ...], Optional[dist.ProcessGroup]] = {}
         # new_group is collective over the world: every rank creates every group in the same order.
-        for kind in ("tp", "dp", "pp", "embedding"):
+        experts = topology.ep > 1 or topology.expert_tp > 1
+        for attr, kind in GROUP_ATTRS.items():
+            if attr in ("ep", "expert_tp", "expert_dp") and not experts:
+                continue        # a dense model has no expert groups (each is this rank alone)
             for ranks in topology.groups(kind):
-                pg = dist.new_group(ranks) if len(ranks) > 1 else None
+                key = tuple(ranks)
+                if key not in made:
+                    made[key] = dist.new_group(ranks) if len(ranks) > 1 else None
                 if rank in ranks:
-                    mine[kind] = CommGroup(axis=kind, ranks=ranks, global_rank=rank, pg=pg, tracer=tracer)
+                    # The dp-cp group reduces gradients: traced as the data-parallel axis.
+                    axis = "dp" if attr == "dp_cp" else attr
+                    mine[attr] = CommGroup(axis=axis, ranks=ranks, global_rank=rank, pg=made[key], tracer=tracer)
         world = CommGroup(axis="world", ranks=range(topology.world_size), global_rank=rank,
                           pg=dist.group.WORLD, tracer=tracer)
         if device is None:
             device = default_device(int(os.environ.get("LOCAL_RANK", rank)))
-        return cls(topology=topology, rank=rank, coords=topology.coords(rank), tp=mine["tp"],
-                   dp=mine["dp"], pp=mine["pp"], embedding=mine.get("embedding"), world=world,
-                   device=device)
+        return cls(topology=topology, rank=rank, coords=topology.coords(rank), world=world, device=device,
+                   embedding=mine.pop("embedding", None), **mine)
 
     @classmethod
     def single(cls, *, tracer=None, device: Optional[torch.device] = None) -> "ProcessGroups":
         """Groups for a one-process run (no torch.distributed needed): the serial reference."""
         topo = Topology(tp=1, pp=1, dp=1)
         g = {k: CommGroup(axis=k, ranks=[0], global_rank=0, pg=None, tracer=tracer)
-             for k in ("tp", "dp", "pp", "embedding", "world")}
-        return cls(topology=topo, rank=0, coords=topo.coords(0), tp=g["tp"], dp=g["dp"], pp=g["pp"],
-                   embedding=g["embedding"], world=g["world"], device=device or torch.device("cpu"))
+             for k in (*GROUP_ATTRS, "world")}
+        g["dp_cp"] = g["dp"]
+        return cls(topology=topo, rank=0, coords=topo.coords(0), device=device or torch.device("cpu"), **g)
+
+    def all_groups(self) -> list[CommGroup]:
+        """Every distinct group of this rank (world included)."""
+        out, seen = [], set()
+        for name in (*GROUP_ATTRS, "world"):
+            g = getattr(self, name)
+            if g is not None and id(g) not in seen:
+                seen.add(id(g))
+                out.append(g)
+        return out
 
     def set_tracer(self, tracer) -> None:
         """Route every group's collectives to ``tracer`` (``None`` stops recording)."""
-        for g in (self.tp, self.dp, self.pp, self.embedding, self.world):
-            if g is not None:
-                g.tracer = tracer
+        for g in self.all_groups():
+            g.tracer = tracer
 
     @property
     def is_first_stage(self) -> bool:
@@ -183,6 +227,7 @@ class ProcessGroups:
         return self.coords.pp == self.topology.pp - 1
 
     def __repr__(self) -> str:
-        c = self.coords
-        return (f"ProcessGroups(rank={self.rank}, tp={c.tp}/{self.topology.tp}, dp={c.dp}/{self.topology.dp}, "
-                f"pp={c.pp}/{self.topology.pp}, device={self.device})")
+        c, t = self.coords, self.topology
+        cp = f", cp={c.cp}/{t.cp}" if t.cp > 1 else ""
+        return (f"ProcessGroups(rank={self.rank}, tp={c.tp}/{t.tp}{cp}, dp={c.dp}/{t.dp}, "
+                f"pp={c.pp}/{t.pp}, device={self.device})")

@@ -12,10 +12,16 @@ equals what the tracer measures:
   head's f, the vocab-parallel loss's three fp32 ``[s, b]`` all-reduces; once per step and model
   chunk, the sequence-parallel gradient sum and the sum of replicated key/value heads' gradients
   (tp > kv_heads);
+- ``cp``: ring attention (context parallelism), per layer and microbatch: forward ``cp - 1``
+  messages of the held keys and values ``[2, b, kv/t, s/cp, d]`` (training dtype), backward
+  ``cp - 1`` such messages plus ``cp`` messages of their fp32 gradients; the forward ring runs
+  again in backward under selective or full recomputation (the core is recomputed). With cp,
+  every other activation message is ``s/cp`` tokens long;
 - ``pp``: each microbatch's activations ``[s, b, h]`` (``[s/t, b, h]`` with SP) sent to the next
   stage and its gradient sent back to the previous one;
 - ``dp``: the gradient all-reduce (bucketed), or ZeRO-1's reduce-scatter of gradients plus
-  all-gather of parameters (flat vector padded to a multiple of dp);
+  all-gather of parameters (flat vector padded to a multiple of dp), over the dp x cp ranks that
+  hold the same parameters;
 
 Activations and their messages travel in the training dtype (2 bytes in bf16), gradients in fp32
 (``grad_reduce="bf16"``: the dp reduction in bf16), ZeRO-1's parameter all-gather in the
@@ -54,24 +60,26 @@ def estimate_comm(model: GPTConfig, topology: Topology, *, micro_batch_size: int
                   chunks: int = 1, sequence_parallel: bool = False, zero1: bool = False, recompute=False,
                   bucket_bytes: int = 25 * 2**20, precision: str = "fp32", grad_reduce: str = "fp32",
                   layers_per_stage: Optional[Sequence[int]] = None, placement: str = "loop"):
-    """Wire bytes per rank (rows) and axis (columns: tp, pp, dp, embedding, world) for one step.
+    """Wire bytes per rank (rows) and axis (columns: tp, cp, pp, dp, embedding, world) for one step.
     For a training run, :func:`estimate_train_comm` takes every option from its TrainConfig."""
     import pandas as pd
 
     if precision not in ("fp32", "bf16") or grad_reduce not in ("fp32", "bf16"):
         raise ValueError(f"precision={precision!r}, grad_reduce={grad_reduce!r}: expected 'fp32' or 'bf16'")
     full_recompute = recompute is True or recompute == "full"
-    s, b, h, m = model.seq_len, micro_batch_size, model.hidden, microbatches
+    reruns_core = full_recompute or recompute == "selective"
+    cp = topology.cp
+    s, b, h, m = model.seq_len // cp, micro_batch_size, model.hidden, microbatches   # s: this rank's tokens
     E = 2 if precision == "bf16" else 4          # activations, parameters
     G = 4                                        # gradients (fp32 main gradients under bf16)
     R = 2 if grad_reduce == "bf16" else 4        # gradients on the dp wire
-    t, d, p = topology.tp, topology.dp, topology.pp
+    t, d, p = topology.tp, topology.dp * cp, topology.pp       # d: ranks that reduce gradients together
     sp = sequence_parallel and t > 1
     act = s * b * h * E                   # one [s, b, h] tensor
     rows = []
     for rank in range(topology.world_size):
         c = topology.coords(rank)
-        vol = {"tp": 0, "pp": 0, "dp": 0, "embedding": 0, "world": 0}
+        vol = {"tp": 0, "cp": 0, "pp": 0, "dp": 0, "embedding": 0, "world": 0}
         stages = stage_layout(model, topology, pp_rank=c.pp, chunks=chunks, layers_per_stage=layers_per_stage,
                               placement=placement)
         params = local_parameters(model, topology, pp_rank=c.pp, chunks=chunks, sequence_parallel=sequence_parallel,
@@ -104,6 +112,11 @@ def estimate_comm(model: GPTConfig, topology: Topology, *, micro_batch_size: int
                 replicated = sum(q.numel * (t // q.replicas) for q in mine if q.replicas > 1)
                 if replicated:
                     vol["tp"] += ring_wire_bytes("all_reduce", G * replicated, t)
+        if cp > 1:
+            kv_l = model.num_kv_heads // t if model.num_kv_heads >= t else 1
+            kv = 2 * b * kv_l * s * model.head_dim                 # [2, b, kv/t, s/cp, d] elements
+            per_layer = (cp - 1) * kv * E * (3 if reruns_core else 2) + cp * kv * 4
+            vol["cp"] = m * per_layer * sum(len(st["layers"]) for st in stages)
         if p > 1:
             msg = (s // t if sp else s) * b * h * E
             last = p * chunks - 1

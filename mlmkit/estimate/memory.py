@@ -38,7 +38,10 @@ difference from the paper, measured by the saved-tensor hooks of :mod:`mlmkit.tr
   dropout) keeps its output and an fp32 log-sum-exp per query, no ``s x s`` scores; the eager path
   keeps the causal mask (``s^2`` bytes) and the fp32 softmax (plus its bf16 copy in bf16);
 - the first and last stages hold the embedding's indices and the loss's fp32 softmax over the
-  (local) vocabulary.
+  (local) vocabulary;
+- context parallelism (cp): every term counts this rank's ``s/cp`` tokens; ring attention keeps,
+  like flash kernels, no scores but an fp32 log-sum-exp per query, plus its own output (the
+  projection's input is a reordered copy); ZeRO-1 shards over the ``dp x cp`` replicas.
 
 The peak per rank replays the schedule's compute order: a microbatch's activations are held from
 its forward until its backward; with a split backward (zero-bubble schedules) B frees them but keeps
@@ -110,9 +113,10 @@ def activation_bytes_per_layer(*, s: int, b: int, h: int, a: int, ffn: Optional[
                                rope: bool = False, attention: str = "eager") -> float:
     """Bytes one Transformer layer keeps for backward, per microbatch (module docstring).
 
-    ``attention``: "eager" (the paper's accounting; the softmax scores are kept) or "sdpa"
+    ``attention``: "eager" (the paper's accounting; the softmax scores are kept), "sdpa"
     (``implementation="mlmkit"`` only: flash kernels keep no ``s x s`` scores when there is no
-    attention dropout). ``kv_heads``, ``mlp``, ``norm`` and ``rope`` select the blocks of
+    attention dropout) or "ring" (ring attention under context parallelism: like flash, plus its
+    output; ``s`` is then this rank's ``s / cp`` tokens). ``kv_heads``, ``mlp``, ``norm`` and ``rope`` select the blocks of
     :class:`~mlmkit.model.config.GPTConfig`.
     """
     if implementation not in ("megatron", "mlmkit"):
@@ -134,7 +138,7 @@ def activation_bytes_per_layer(*, s: int, b: int, h: int, a: int, ffn: Optional[
     d = h // a
     a_l = a / t
     kv_l = kv / t if kv >= t else 1                      # key/value heads held here (replicated if kv < t)
-    flash = attention == "sdpa" and not dropout
+    flash = (attention == "sdpa" and not dropout) or attention == "ring"
 
     norm_bytes = E * seq + (2 * E * Tr if norm == "layernorm" else 4 * Tr)   # input + statistics
     total = 2 * norm_bytes                                                    # before attention and MLP
@@ -150,6 +154,8 @@ def activation_bytes_per_layer(*, s: int, b: int, h: int, a: int, ffn: Optional[
     if recompute != "selective":                                              # the core keeps its own tensors
         if flash:
             total += 4 * T * a_l                                              # log-sum-exp per query (fp32)
+            if attention == "ring":
+                total += E * T * a_l * d                                      # the ring's own output [b, a/t, s, d]
         else:
             scores = b * a_l * s * s
             total += s * s + 4 * scores                                       # causal mask, fp32 softmax
@@ -210,12 +216,15 @@ def _stage_weight_extra(model: GPTConfig, *, s: int, b: int, t: int, post: bool,
 
 
 def _stage_extra(model: GPTConfig, *, s: int, b: int, t: int, sp: bool, pre: bool, post: bool, layers: int,
-                 pr: Precision) -> float:
-    # mlmkit's first/last-stage activations outside the layers (see module docstring).
+                 pr: Precision, cp: int = 1) -> float:
+    # mlmkit's first/last-stage activations outside the layers (see module docstring); s: this
+    # rank's tokens (s / cp).
     E, h = pr.activation, model.hidden
     extra = 0.0
     if pre:
         extra += 8 * b * s + b * s                           # embedding indices (int64), out-of-range mask
+        if cp > 1 and model.position == "learned":
+            extra += 8 * s                                   # the held positions, indexing the position table
         if model.dropout:
             extra += E * (s * b * h / t if sp else s * b * h)     # embedding dropout's mask
     if model.position == "rope" and layers:
@@ -246,7 +255,11 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
     sched = make_schedule(schedule, stages=topology.pp, microbatches=microbatches, chunks=chunks, layers=model.layers,
                           microbatch_group=microbatch_group)
     placement = sched.placement
-    s, b, t = model.seq_len, micro_batch_size, topology.tp
+    cp = topology.cp
+    s, b, t = model.seq_len // cp, micro_batch_size, topology.tp          # s: this rank's tokens
+    attention = model.attention if implementation == "mlmkit" else "eager"
+    if cp > 1 and implementation == "mlmkit":
+        attention = "ring"
     sp = sequence_parallel and t > 1
     rows = []
     for rank in range(topology.world_size):
@@ -255,15 +268,14 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
                                   layers_per_stage=layers_per_stage, placement=placement)
         n = sum(p.numel for p in params)
         if zero1:
-            shard = -(-n // topology.dp)
+            shard = -(-n // (topology.dp * cp))          # sharded over the dp x cp replicas
             optimizer = shard * (2 * pr.state + (pr.master or pr.param))
         else:
             optimizer = n * (2 * pr.state + pr.master)
         layer = activation_bytes_per_layer(
             s=s, b=b, h=model.hidden, a=model.heads, ffn=model.ffn, t=t, sequence_parallel=sp, recompute=recompute,
             dropout=model.dropout > 0, precision=pr, implementation=implementation, kv_heads=model.num_kv_heads,
-            mlp=model.mlp, norm=model.norm, rope=model.position == "rope",
-            attention=model.attention if implementation == "mlmkit" else "eager")
+            mlp=model.mlp, norm=model.norm, rope=model.position == "rope", attention=attention)
         held_for_w = weight_grad_bytes_per_layer(
             s=s, b=b, h=model.hidden, a=model.heads, ffn=model.ffn, t=t, sequence_parallel=sp, precision=pr,
             kv_heads=model.num_kv_heads, mlp=model.mlp, gate_up_fused=model.gate_up_fused)
@@ -271,7 +283,7 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
         for st in stage_layout(model, topology, pp_rank=c.pp, chunks=chunks, layers_per_stage=layers_per_stage,
                                placement=placement):
             extra = _stage_extra(model, s=s, b=b, t=t, sp=sp, pre=st["pre_process"], post=st["post_process"],
-                                 layers=len(st["layers"]), pr=pr) if implementation == "mlmkit" else 0.0
+                                 layers=len(st["layers"]), pr=pr, cp=cp) if implementation == "mlmkit" else 0.0
             per_chunk.append(len(st["layers"]) * layer + extra)
             # Split backward: from B to W a microbatch keeps every linear's input and output gradient.
             per_chunk_w.append(len(st["layers"]) * held_for_w + _stage_weight_extra(

@@ -5,7 +5,7 @@
   (:func:`apply_rotary`; Su et al. 2021, RoFormer), applied to queries and keys;
 - attention: :class:`ParallelAttention`, multi-head or grouped-query (Ainslie et al. 2023), heads
   split over tensor-parallel ranks, the core through ``scaled_dot_product_attention`` or the
-  explicit softmax;
+  explicit softmax, or ring attention over a context-parallel group;
 - MLP: :class:`ParallelMLP`, GELU (GPT-2) or SwiGLU (Shazeer 2020; Llama);
 - :class:`TransformerLayer`: pre-norm residual block, with full or selective activation
   recomputation (Korthikanti et al. 2022).
@@ -190,10 +190,13 @@ class ParallelAttention(nn.Module):
     """
 
     def __init__(self, config: GPTConfig, *, layer: int, tp: CommGroup, sequence_parallel: bool,
-                 rng: TPRandomState, recompute: str = "none", device=None, wgrad=None):
+                 rng: TPRandomState, recompute: str = "none", device=None, wgrad=None,
+                 cp: Optional[CommGroup] = None, cp_split: str = "balanced"):
         super().__init__()
         h, d, name = config.hidden, config.head_dim, f"layers.{layer}.attn"
         self.config, self.rng, self.sp, self.recompute = config, rng, sequence_parallel, recompute
+        self.cp, self.cp_split, self.site = cp, cp_split, name
+        self._rings: dict[int, object] = {}
         self.heads_local = divide(config.heads, tp.size, what="heads")
         self.replicas = config.kv_replicas(tp.size)
         self.kv_local = config.num_kv_heads // (tp.size // self.replicas)
@@ -228,8 +231,21 @@ class ParallelAttention(nn.Module):
         q, k, v = (qkv[:, :, :, i].permute(1, 2, 0, 3) for i in range(3))        # each [b, a/t, s, d]
         return q, k, v
 
+    def _ring(self, seq_len: int):
+        if seq_len not in self._rings:
+            from mlmkit.context_parallel.ring_attention import Ring
+
+            self._rings[seq_len] = Ring(self.cp, seq_len=seq_len, split=self.cp_split, site=f"{self.site}.ring")
+        return self._rings[seq_len]
+
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(QK^T / sqrt(d), causal) V: ``[b, a/t, s, d]`` (keys and values may have fewer heads)."""
+        """softmax(QK^T / sqrt(d), causal) V: ``[b, a/t, s, d]`` (keys and values may have fewer heads).
+        With context parallelism ``s`` is this rank's ``s/cp`` tokens and the keys and values of the
+        others come round the ring (:func:`~mlmkit.context_parallel.ring_attention.ring_attention`)."""
+        if self.cp is not None and self.cp.size > 1:
+            from mlmkit.context_parallel.ring_attention import ring_attention
+
+            return ring_attention(q, k, v, self._ring(q.shape[2] * self.cp.size))
         drop = self.dropout_p if self.training else 0.0
         if self.config.attention == "sdpa" and drop == 0.0:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
@@ -315,14 +331,16 @@ class TransformerLayer(nn.Module):
     V), which is rerun (Korthikanti et al. 2022, section 5)."""
 
     def __init__(self, config: GPTConfig, *, layer: int, tp: CommGroup, sequence_parallel: bool,
-                 rng: TPRandomState, recompute: str = "none", device=None, wgrad=None):
+                 rng: TPRandomState, recompute: str = "none", device=None, wgrad=None,
+                 cp: Optional[CommGroup] = None, cp_split: str = "balanced"):
         super().__init__()
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute={recompute!r}: expected one of {', '.join(RECOMPUTE)}")
         self.rng, self.recompute = rng, recompute
         self.ln1 = make_norm(config, sequence_parallel=sequence_parallel, device=device)
         self.attn = ParallelAttention(config, layer=layer, tp=tp, sequence_parallel=sequence_parallel,
-                                      rng=rng, recompute=recompute, device=device, wgrad=wgrad)
+                                      rng=rng, recompute=recompute, device=device, wgrad=wgrad, cp=cp,
+                                      cp_split=cp_split)
         self.ln2 = make_norm(config, sequence_parallel=sequence_parallel, device=device)
         self.mlp = ParallelMLP(config, layer=layer, tp=tp, sequence_parallel=sequence_parallel, rng=rng,
                                device=device, wgrad=wgrad)

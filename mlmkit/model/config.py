@@ -155,8 +155,9 @@ class GPTConfig:
         return -(-self.vocab_size // multiple) * multiple
 
     def check_parallel(self, *, tp: int = 1, pp: int = 1, chunks: int = 1,
-                       sequence_parallel: bool = False) -> None:
-        """Raise ValueError if this model cannot be split ``tp`` ways and into ``pp * chunks`` stages."""
+                       sequence_parallel: bool = False, cp: int = 1, cp_split: str = "balanced") -> None:
+        """Raise ValueError if this model cannot be split ``tp`` ways, into ``pp * chunks`` stages and
+        its sequence over ``cp`` ranks."""
         for name, value in (("hidden", self.hidden), ("heads", self.heads), ("ffn_hidden", self.ffn)):
             if value % tp:
                 raise ValueError(
@@ -169,7 +170,16 @@ class GPTConfig:
                 f"kv_heads={kv} and tp={tp}: key/value heads are split over tp when tp divides them and "
                 f"replicated when they divide tp; pick tp among the divisors or multiples of {kv}."
             )
-        if sequence_parallel and self.seq_len % tp:
+        if cp > 1:
+            from mlmkit.context_parallel.split import check_split
+
+            check_split(self.seq_len, cp, cp_split, tp=tp, sequence_parallel=sequence_parallel)
+            if self.dropout:
+                raise ValueError(
+                    f"context parallelism (cp={cp}) needs dropout=0, got dropout={self.dropout}: mlmkit's ring "
+                    f"attention has no attention dropout (long-context runs such as Llama 3's train without "
+                    f"dropout). Set dropout=0 or cp=1.")
+        elif sequence_parallel and self.seq_len % tp:
             raise ValueError(f"sequence parallelism: seq_len={self.seq_len} is not divisible by tp={tp}")
         stages = pp * chunks
         if stages > self.layers:

@@ -10,10 +10,14 @@ seeded by ``(config.seed, parameter name)`` and then sliced for this TP rank, so
 starts as exactly the same function as the serial one.
 
 Shapes (Megatron-LM's layout, sequence first): tokens ``[b, s]``; hidden states ``[s, b, h]``, or
-``[s/t, b, h]`` in sequence-parallel regions; local logits ``[s, b, V/t]``.
+``[s/t, b, h]`` in sequence-parallel regions; local logits ``[s, b, V/t]``. With context
+parallelism (``cp``) each rank holds ``s/cp`` of the tokens (which ones:
+:mod:`mlmkit.context_parallel.split`), so every ``s`` above reads ``s/cp``, and attention runs as
+ring attention over the cp group.
 
 References: Radford et al. 2019 (GPT-2 architecture); Shoeybi et al. 2019 (tensor parallelism);
-Korthikanti et al. 2022 (sequence parallelism); Narayanan et al. 2021 (pipeline stages).
+Korthikanti et al. 2022 (sequence parallelism); Narayanan et al. 2021 (pipeline stages);
+Liu et al. 2023 (ring attention, context parallelism).
 """
 
 from __future__ import annotations
@@ -131,14 +135,16 @@ class GPT(nn.Module):
 
     def __init__(self, config: GPTConfig, *, tp: Optional[CommGroup] = None, stage: Optional[Stage] = None,
                  sequence_parallel: bool = False, recompute: Union[bool, str] = False, device=None, dtype=None,
-                 split_backward: bool = False):
+                 split_backward: bool = False, cp: Optional[CommGroup] = None, cp_split: str = "balanced"):
         super().__init__()
         recompute = recompute_mode(recompute)
         self.wgrad = WeightGradStore() if split_backward else None
         tp = tp or _single_group()
+        cp = cp or CommGroup.single("cp")
         stage = stage or Stage.whole(config)
-        config.check_parallel(tp=tp.size, sequence_parallel=sequence_parallel)
+        config.check_parallel(tp=tp.size, sequence_parallel=sequence_parallel, cp=cp.size, cp_split=cp_split)
         self.config, self.tp, self.stage, self.sequence_parallel = config, tp, stage, sequence_parallel
+        self.cp, self.cp_split = cp, cp_split
         self.rng = TPRandomState(seed=config.seed, tp_rank=tp.rank, pp_rank=stage.pp_rank, device=device)
         self.padded_vocab = config.padded_vocab(tp.size)
         self.vocab_start = tp.rank * (self.padded_vocab // tp.size)
@@ -154,7 +160,7 @@ class GPT(nn.Module):
                                                global_shape=(config.seq_len, h), sequence_parallel=sp)
         self.layers = nn.ModuleDict({
             str(i): TransformerLayer(config, layer=i, tp=tp, sequence_parallel=sp, rng=self.rng,
-                                     recompute=recompute, device=device, wgrad=self.wgrad)
+                                     recompute=recompute, device=device, wgrad=self.wgrad, cp=cp, cp_split=cp_split)
             for i in stage.layers
         })
         if stage.post_process:
@@ -196,14 +202,33 @@ class GPT(nn.Module):
         return self.head_weight if hasattr(self, "head_weight") else self.embedding.weight
 
     # ------------------------------------------------------------------ forward
+    def local_positions(self, s: int) -> Optional[torch.Tensor]:
+        """Positions (of a length-``s`` sequence) of the tokens this cp rank holds; ``None`` when cp = 1."""
+        if self.cp.size == 1:
+            return None
+        from mlmkit.context_parallel.split import check_split, held_positions
+
+        check_split(s, self.cp.size, self.cp_split, tp=self.tp.size, sequence_parallel=self.sequence_parallel)
+        return torch.tensor(held_positions(s, self.cp.size, self.cp.rank, self.cp_split), dtype=torch.long,
+                            device=self._device())
+
+    def _device(self) -> torch.device:
+        return next(self.parameters()).device
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """``[b, s]`` token ids -> ``[s, b, h]`` (``[s/t, b, h]`` with SP), position added, dropout."""
+        """``[b, s]`` token ids -> ``[s, b, h]`` (``[s/t, b, h]`` with SP), position added, dropout.
+        With context parallelism the whole sequences come in and this cp rank's tokens
+        (``[b, s/cp]``) are embedded: ``[s/cp, b, h]`` (``[s/(cp t), b, h]`` with SP)."""
         b, s = tokens.shape
         if s > self.config.seq_len:
             raise ValueError(f"sequence length {s} exceeds GPTConfig.seq_len={self.config.seq_len}")
+        held = self.local_positions(s)
+        if held is not None:
+            tokens = tokens[:, held]
         x = self.embedding(tokens)
         if self.config.position == "learned":
-            pos = self.position[:s]
+            pos = self.position[:s] if held is None else self.position[held]
+            s = pos.shape[0]
             if self.sequence_parallel and self.tp.size > 1:
                 n = s // self.tp.size
                 pos = pos[self.tp.rank * n:(self.tp.rank + 1) * n]
@@ -224,9 +249,12 @@ class GPT(nn.Module):
              reduction: str = "mean") -> torch.Tensor:
         """Cross-entropy over non-ignored targets: their mean (``reduction="mean"``) or their sum
         (``"sum"``, for a per-token loss normalised over a whole batch); ``logits [s, b, V/t]``,
-        ``targets [b, s]``."""
+        ``targets [b, s]`` (with context parallelism: the whole sequences' targets, of which this cp
+        rank's are used, or this rank's ``[b, s/cp]``; the loss then covers this rank's tokens)."""
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction={reduction!r}: expected 'mean' or 'sum'")
+        if self.cp.size > 1 and targets.shape[1] == logits.shape[0] * self.cp.size:
+            targets = targets[:, self.local_positions(targets.shape[1])]
         per_token = vocab_parallel_cross_entropy(
             logits, targets.t(), tp=self.tp, vocab_start=self.vocab_start,
             vocab_size=self.config.vocab_size, ignore_index=ignore_index)
@@ -250,14 +278,17 @@ class GPT(nn.Module):
         return self.loss(logits, targets, ignore_index=ignore_index, reduction=reduction)
 
     def _sequence_length(self, hidden: torch.Tensor) -> int:
-        # [s, b, h], or [s/t, b, h] with sequence parallelism (attention sees the gathered sequence)
-        return hidden.shape[0] * (self.tp.size if self.sequence_parallel else 1)
+        # The whole sequence's length: hidden is [s/cp, b, h], or [s/(cp t), b, h] with sequence
+        # parallelism (attention sees the gathered local sequence).
+        return hidden.shape[0] * (self.tp.size if self.sequence_parallel else 1) * self.cp.size
 
     def rotary(self, s: int, positions: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[s, d]`` of the rotary angles of ``positions`` (default ``0..s-1``)."""
+        """cos and sin of the rotary angles of ``positions`` (default: the positions this rank holds
+        of a length-``s`` sequence, ``0..s-1`` when cp = 1): ``[s/cp, d]``."""
         if positions is None:
-            positions = torch.arange(s, device=self.embedding.weight.device if self.stage.pre_process
-                                     else next(self.parameters()).device)
+            positions = self.local_positions(s)
+        if positions is None:
+            positions = torch.arange(s, device=self._device())
         return rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
 
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
@@ -267,8 +298,9 @@ class GPT(nn.Module):
 
     def extra_repr(self) -> str:
         st = self.stage
+        cp = f", cp={self.cp.size} (rank {self.cp.rank}, {self.cp_split})" if self.cp.size > 1 else ""
         return (f"layers={list(st.layers)}, pre_process={st.pre_process}, post_process={st.post_process}, "
-                f"tp={self.tp.size} (rank {self.tp.rank}), sequence_parallel={self.sequence_parallel}")
+                f"tp={self.tp.size} (rank {self.tp.rank}){cp}, sequence_parallel={self.sequence_parallel}")
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:

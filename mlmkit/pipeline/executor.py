@@ -41,6 +41,12 @@ Loss: with ``per_token_loss`` (Megatron-LM's ``calculate_per_token_loss``) each 
 contributes the *sum* of its token losses times ``loss_scale`` (by default ``1 / tokens`` of the
 whole batch, ignored targets excluded), so the step's loss is the mean over every non-ignored
 token whatever the microbatching; otherwise each microbatch's mean counts ``1/m``.
+
+Context parallelism: every rank of a pipeline gets the whole sequences; each model chunk keeps
+its cp rank's tokens (:mod:`mlmkit.context_parallel`), so messages between stages are
+``[s/cp, b, h]`` and each cp rank's loss covers its own tokens, scaled by ``cp`` (default
+``loss_scale = cp / tokens``): averaging losses and gradients over the cp group, as the
+optimizer's dp-cp reduction does, gives the batch's.
 """
 
 from __future__ import annotations
@@ -65,16 +71,19 @@ __all__ = ["PipelineExecutor", "StepState", "build_model_chunks", "sync_embeddin
 def build_model_chunks(config: GPTConfig, *, groups: ProcessGroups, chunks: int = 1,
                        layers_per_stage: Optional[Sequence[int]] = None,
                        sequence_parallel: bool = False, recompute=False, dtype=None,
-                       split_backward: bool = False, placement: str = "loop") -> list[GPT]:
+                       split_backward: bool = False, placement: str = "loop",
+                       cp_split: str = "balanced") -> list[GPT]:
     """This rank's model chunks: chunk ``c`` is virtual stage ``c * p + pp_rank`` of ``p * chunks``
     (``placement="v"``: chunk 0 is stage ``pp_rank``, chunk 1 stage ``2p - 1 - pp_rank``).
 
     ``layers_per_stage`` lists the layer count of each virtual stage (default: as even as possible);
     ``recompute``: "none", "selective" or "full"; ``dtype``: parameter and compute dtype;
-    ``split_backward``: the chunks can defer weight gradients (zero-bubble schedules: B and W).
+    ``split_backward``: the chunks can defer weight gradients (zero-bubble schedules: B and W);
+    ``cp_split``: how the sequence is divided over the cp group (:mod:`mlmkit.context_parallel`).
     """
     p, r = groups.topology.pp, groups.coords.pp
-    config.check_parallel(tp=groups.tp.size, pp=p, chunks=chunks, sequence_parallel=sequence_parallel)
+    config.check_parallel(tp=groups.tp.size, pp=p, chunks=chunks, sequence_parallel=sequence_parallel,
+                          cp=groups.cp.size, cp_split=cp_split)
     layout = split_layers(config.layers, p * chunks, layers_per_stage)
     if placement == "v" and chunks != 2:
         raise ValueError(f"a V placement holds exactly 2 chunks per rank, not chunks={chunks}")
@@ -83,7 +92,8 @@ def build_model_chunks(config: GPTConfig, *, groups: ProcessGroups, chunks: int 
         vs = (r if c == 0 else 2 * p - 1 - r) if placement == "v" else c * p + r
         stage = Stage(layers=layout[vs], pre_process=vs == 0, post_process=vs == p * chunks - 1,
                       index=vs, pp_rank=r)
-        out.append(GPT(config, tp=groups.tp, stage=stage, sequence_parallel=sequence_parallel,
+        out.append(GPT(config, tp=groups.tp, cp=groups.cp, cp_split=cp_split, stage=stage,
+                       sequence_parallel=sequence_parallel,
                        recompute=recompute, device=groups.device, dtype=dtype, split_backward=split_backward))
     return out
 
@@ -220,7 +230,7 @@ class PipelineExecutor:
         self._mb_size = tokens.shape[0] // m
         self._seq = tokens.shape[1]
         if loss_scale is None:
-            loss_scale = 1.0 / max(1, int((targets != self.ignore_index).sum()))
+            loss_scale = self.groups.cp.size / max(1, int((targets != self.ignore_index).sum()))
         self._loss_scale = float(loss_scale)
         self._reset()
         self.index = 0
@@ -353,7 +363,8 @@ class PipelineExecutor:
 
     def _shape(self) -> tuple[int, int, int]:
         cfg, t = self.chunks[0].config, self.groups.tp.size
-        s = self._seq // t if self.chunks[0].sequence_parallel else self._seq
+        s = self._seq // self.groups.cp.size                  # this cp rank's tokens
+        s = s // t if self.chunks[0].sequence_parallel else s
         return (s, self._mb_size, cfg.hidden)
 
     def _peer(self, a: Action) -> int:
@@ -435,8 +446,13 @@ class PipelineExecutor:
                 if self.per_token_loss:   # sum of token losses x (dp / tokens of the global batch)
                     out = model(x, self._targets[mb], ignore_index=self.ignore_index,
                                 reduction="sum") * self._loss_scale
-                else:                     # this microbatch's mean / m
+                elif self.groups.cp.size == 1:   # this microbatch's mean / m
                     out = model(x, self._targets[mb], ignore_index=self.ignore_index) / self.schedule.microbatches
+                else:                     # this cp rank's part of the microbatch's mean, times cp, / m
+                    tgt = self._targets[mb]
+                    count = (tgt != self.ignore_index).sum().clamp(min=1)
+                    out = (model(x, tgt, ignore_index=self.ignore_index, reduction="sum") / count
+                           * self.groups.cp.size / self.schedule.microbatches)
                 self._losses.append(out.detach())
             else:
                 out = model(x)                                                  # [s, b_mb, h]

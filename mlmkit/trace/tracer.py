@@ -6,7 +6,7 @@ import contextlib
 import time
 from typing import Callable
 
-__all__ = ["COMM_COLUMNS", "EVENT_COLUMNS", "Tracer", "ring_wire_bytes"]
+__all__ = ["COMM_COLUMNS", "EVENT_COLUMNS", "RING_COLUMNS", "Tracer", "ring_wire_bytes"]
 
 #: Columns of :meth:`Tracer.comm_frame`. ``bytes`` is the size of the logical tensor the operation
 #: is about (the all-reduced tensor, the gathered output, the reduce-scattered input, the message);
@@ -16,6 +16,10 @@ COMM_COLUMNS = (
 )
 #: Columns of :meth:`Tracer.event_frame` (schedule actions).
 EVENT_COLUMNS = ("rank", "action", "microbatch", "chunk", "start", "end")
+#: Columns of :meth:`Tracer.ring_frame`: one row per ring-attention step (context parallelism):
+#: the layer's site, forward or backward, the step, the cp rank whose keys/values were used
+#: (``src``, an index in the cp group), the (query, key) pairs computed, and the compute time.
+RING_COLUMNS = ("rank", "site", "phase", "step", "src", "pairs", "start", "end")
 
 
 def ring_wire_bytes(op: str, nbytes: int, group_size: int) -> int:
@@ -48,6 +52,7 @@ class Tracer:
         self.phase = ""  # free label written into comm rows (e.g. "forward"/"backward")
         self.comm: list[tuple] = []
         self.events: list[tuple] = []
+        self.ring: list[tuple] = []
 
     def record_comm(self, *, op: str, axis: str, ranks: tuple[int, ...], nbytes: int,
                     wire_bytes: int, start: float, end: float, site: str, phase: str = "") -> None:
@@ -59,9 +64,15 @@ class Tracer:
         if self.enabled:
             self.events.append((self.rank, action, microbatch, chunk, start, end))
 
+    def record_ring(self, *, site: str, phase: str, step: int, src: int, pairs: int, start: float,
+                    end: float) -> None:
+        if self.enabled:
+            self.ring.append((self.rank, site, phase, step, src, pairs, start, end))
+
     def clear(self) -> None:
         self.comm.clear()
         self.events.clear()
+        self.ring.clear()
 
     @contextlib.contextmanager
     def paused(self):
@@ -81,6 +92,11 @@ class Tracer:
         import pandas as pd
 
         return pd.DataFrame(self.events, columns=list(EVENT_COLUMNS))
+
+    def ring_frame(self):
+        import pandas as pd
+
+        return pd.DataFrame(self.ring, columns=list(RING_COLUMNS))
 
     def __repr__(self) -> str:
         state = "on" if self.enabled else "off"

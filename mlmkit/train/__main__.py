@@ -2,7 +2,7 @@
 
 Runs the same Trainer as the notebooks. Without ``--config`` it trains the quickstart model
 (:func:`mlmkit.train.demo_config`). Flags override config fields. The world size (from torchrun)
-must equal tp*pp*dp. Under Slurm, see ``cluster/slurm_train.sbatch``.
+must equal tp*cp*pp*dp. Under Slurm, see ``cluster/slurm_train.sbatch``.
 """
 
 from __future__ import annotations
@@ -19,12 +19,14 @@ def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m mlmkit.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="JSON file with TrainConfig fields (model as a nested object)")
-    for name in ("tp", "pp", "dp", "chunks", "micro-batch-size", "global-batch-size", "max-steps", "warmup-steps",
+    for name in ("tp", "pp", "dp", "cp", "chunks", "micro-batch-size", "global-batch-size", "max-steps", "warmup-steps",
                  "microbatch-group"):
         p.add_argument(f"--{name}", type=int)
     for name in ("lr", "min-lr", "grad-clip", "weight-decay"):
         p.add_argument(f"--{name}", type=float)
     p.add_argument("--schedule")
+    p.add_argument("--cp-split", choices=["balanced", "naive"],
+                   help="how --cp divides each sequence: balanced (2cp chunks, Megatron-LM's) or naive")
     p.add_argument("--zero1", action="store_true", default=None)
     p.add_argument("--sequence-parallel", action="store_true", default=None)
     p.add_argument("--recompute", action="store_true", default=None,
@@ -54,7 +56,7 @@ def build_config(args) -> TrainConfig:
             raise SystemExit(f"python -m mlmkit.train: --{flag.replace('_', '-')}={value} must be >= 0")
     cfg = TrainConfig.from_file(args.config) if args.config else demo_config()
     overrides = {}
-    for field in ("tp", "pp", "dp", "chunks", "micro_batch_size", "global_batch_size", "max_steps", "warmup_steps",
+    for field in ("tp", "pp", "dp", "cp", "cp_split", "chunks", "micro_batch_size", "global_batch_size", "max_steps", "warmup_steps",
                   "microbatch_group",
                   "lr", "min_lr", "grad_clip", "weight_decay", "schedule", "zero1", "sequence_parallel",
                   "batch_p2p", "precision", "grad_reduce"):
@@ -101,7 +103,7 @@ def main(argv=None) -> int:
         cfg.topology.check_world_size(world)
     except ValueError as err:
         raise SystemExit(f"python -m mlmkit.train: {err} (without torchrun there is 1 process: "
-                         f"add --tp 1 --pp 1 --dp 1)") from None
+                         f"add --tp 1 --pp 1 --dp 1 --cp 1)") from None
     rank = int(os.environ.get("RANK", "0"))
     if "MASTER_ADDR" in os.environ:
         init_distributed(rank=rank, world_size=world, init_method="env://")

@@ -95,7 +95,7 @@ def save_checkpoint(trainer, directory: str, *, keep: Optional[int] = None, _bef
     groups.world.barrier()
     states, opt_step = trainer.optimizer.state_by_name()  # collective over dp for ZeRO-1
     c = groups.coords
-    if c.dp == 0:
+    if c.dp == 0 and c.cp == 0:       # dp and cp replicas hold the same parameters
         shard = {
             "params": {n: p.detach().cpu().clone() for n, p in trainer.named_parameters()},
             "meta": {n: _meta(p) for n, p in trainer.named_parameters()},

@@ -33,7 +33,8 @@ class TrainConfig:
 
     ``global_batch_size = micro_batch_size * microbatches * dp``: each step every dp replica takes
     ``global_batch_size / dp`` samples, cut into ``microbatches`` microbatches of
-    ``micro_batch_size`` samples that flow through the pipeline schedule.
+    ``micro_batch_size`` samples that flow through the pipeline schedule. The cp ranks of a
+    replica share its samples, each holding ``seq_len / cp`` tokens of every sequence.
     """
 
     model: GPTConfig
@@ -44,6 +45,14 @@ class TrainConfig:
     """Pipeline-parallel degree."""
     dp: int = 1
     """Data-parallel degree."""
+    cp: int = 1
+    """Context-parallel degree: each sequence is split over ``cp`` ranks and attention runs as ring
+    attention (:mod:`mlmkit.context_parallel`). Needs ``dropout=0`` and ``seq_len`` divisible by
+    ``2 cp`` (times tp with sequence parallelism)."""
+    cp_split: str = "balanced"
+    """How the sequence is divided over cp ranks: ``"balanced"`` (2 cp chunks, rank i holds chunks
+    i and 2cp-1-i, as Megatron-LM does) or ``"naive"`` (cp contiguous pieces; unequal work, for
+    comparison)."""
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v or dualpipev (with pp=1 it is
     gradient accumulation)."""
@@ -158,7 +167,9 @@ class TrainConfig:
             )
         if self.schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
-        self.model.check_parallel(tp=self.tp, pp=self.pp, chunks=self.chunks,
+        if self.cp_split not in ("balanced", "naive"):
+            raise ValueError(f"TrainConfig: cp_split={self.cp_split!r} must be 'balanced' or 'naive'")
+        self.model.check_parallel(tp=self.tp, pp=self.pp, chunks=self.chunks, cp=self.cp, cp_split=self.cp_split,
                                   sequence_parallel=self.sequence_parallel)
         make_schedule(self.schedule, stages=topo.pp, microbatches=self.microbatches, chunks=self.chunks,
                       layers=self.model.layers, microbatch_group=self.microbatch_group)
@@ -167,11 +178,11 @@ class TrainConfig:
 
     @property
     def topology(self) -> Topology:
-        return Topology(tp=self.tp, pp=self.pp, dp=self.dp)
+        return Topology(tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp)
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.topology.world_size
 
     @property
     def microbatches(self) -> int:

@@ -86,8 +86,9 @@ class Trainer:
         c = self.config
         tokens, targets = self.data.batch(self.step, c.global_batch_size)      # the global batch
         # Per-token loss: every replica divides its summed token losses by the tokens of the whole
-        # global batch (times dp, since the dp gradient reduction averages).
-        scale = c.dp / max(1, int((targets != self.executor.ignore_index).sum()))
+        # global batch (times dp x cp, since the dp-cp gradient reduction averages; each cp rank
+        # sums the losses of its own tokens only).
+        scale = c.dp * c.cp / max(1, int((targets != self.executor.ignore_index).sum()))
         n = c.global_batch_size // c.dp
         lo = self.groups.coords.dp * n
         for model in self.chunks:
@@ -156,12 +157,13 @@ class Trainer:
         return pd.DataFrame(self.history, columns=["step", "loss", "lr", "grad_norm", "step_time", "tokens_per_s"])
 
     def traces(self) -> dict:
-        """This rank's traces as DataFrames: ``events`` (schedule actions), ``comm``, ``memory``."""
+        """This rank's traces as DataFrames: ``events`` (schedule actions), ``comm``, ``memory``,
+        ``ring`` (ring-attention steps, with context parallelism)."""
         import pandas as pd
 
         from mlmkit.trace.memory import MEMORY_COLUMNS
 
-        return {"events": self.tracer.event_frame(), "comm": self.tracer.comm_frame(),
+        return {"events": self.tracer.event_frame(), "comm": self.tracer.comm_frame(), "ring": self.tracer.ring_frame(),
                 "memory": self.memory.frame() if self.memory is not None else pd.DataFrame(columns=MEMORY_COLUMNS)}
 
     def clear_traces(self) -> None:
@@ -170,12 +172,13 @@ class Trainer:
             self.memory.clear()
 
     def _mean_loss(self) -> float:
-        # The last pipeline stage holds the loss (identical on its TP ranks); average over replicas.
+        # The last pipeline stage holds the loss (identical on its TP ranks; each cp rank holds the
+        # part of its tokens, scaled by cp); average over replicas and cp ranks.
         mine = self.executor.loss
         value = mine if (mine is not None and self.groups.coords.tp == 0) else 0.0
         t = torch.tensor([value], dtype=torch.float64, device=self.groups.device)
         self.groups.world.all_reduce(t, site="loss")
-        return float(t) / self.config.dp
+        return float(t) / (self.config.dp * self.config.cp)
 
     def named_parameters(self):
         for c in self.chunks:

@@ -2,10 +2,12 @@
 
 Figures: :func:`topology_figure`, :func:`timeline_figure`, :func:`timeline_comparison`,
 :func:`memory_figure`, :func:`comm_heatmap`, :func:`comm_by_axis_figure`,
-:func:`comm_timeline_figure`, :func:`shard_figure`; :func:`save_html` writes any of them as a
+:func:`comm_timeline_figure`, :func:`shard_figure`; context parallelism: :func:`cp_split_figure`,
+:func:`ring_timeline_figure`, :func:`cp_memory_figure`; :func:`save_html` writes any of them as a
 standalone HTML file. Widgets: :func:`schedule_explorer`, :class:`SessionControls`.
 """
 
+from mlmkit.viz.context_parallel import cp_memory_figure, cp_split_figure, cp_work_frame, ring_timeline_figure
 from mlmkit.viz.figures import (
     bubble_table,
     comm_by_axis_figure,
@@ -23,6 +25,7 @@ from mlmkit.viz.widgets import ScheduleExplorer, SessionControls, schedule_explo
 
 __all__ = [
     "ScheduleExplorer", "SessionControls", "bubble_table", "comm_by_axis_figure", "comm_heatmap", "comm_matrix",
+    "cp_memory_figure", "cp_split_figure", "cp_work_frame", "ring_timeline_figure",
     "comm_timeline_figure", "memory_figure", "save_html", "schedule_explorer", "shard_figure", "timeline_comparison",
     "timeline_figure", "topology_figure",
 ]

@@ -23,7 +23,8 @@ __all__ = [
 ACTION_COLORS = {"F": "#4C78A8", "B": "#F58518", "I": "#E45756", "W": "#54A24B"}
 ACTION_NAMES = {"F": "forward", "B": "backward", "I": "backward (inputs)", "W": "weight grad"}
 MEMORY_COLORS = {"parameters": "#4C78A8", "gradients": "#F58518", "optimizer": "#54A24B", "activations": "#E45756"}
-AXIS_COLORS = {"tp": "#4C78A8", "pp": "#F58518", "dp": "#54A24B", "embedding": "#B279A2", "world": "#9D755D"}
+AXIS_COLORS = {"tp": "#4C78A8", "cp": "#E45756", "pp": "#F58518", "dp": "#54A24B", "embedding": "#B279A2",
+               "world": "#9D755D"}
 BUBBLE_COLOR = "rgba(150, 150, 150, 0.35)"
 
 
@@ -35,39 +36,51 @@ def save_html(fig: go.Figure, path: str) -> str:
 
 # ------------------------------------------------------------------------------------------ topology
 def topology_figure(frame: pd.DataFrame, *, color_by: str = "pp") -> go.Figure:
-    """The rank grid: one cell per rank (columns tp, rows dp within each pipeline stage), coloured by
-    the group along ``color_by``, with buttons to switch between tp, dp and pp groups.
+    """The rank grid: one cell per rank (columns tp, grouped in blocks per cp rank; rows dp within
+    each pipeline stage), coloured by the group of ``color_by``, with buttons to switch between the
+    tp, cp, dp, dp-cp and pp groups (cp ones only when cp > 1).
 
-    ``frame``: :meth:`Topology.to_frame` (index rank; columns tp, dp, pp), optionally with a
+    ``frame``: :meth:`Topology.to_frame` (index rank; columns tp, cp, dp, pp), optionally with a
     ``device`` / ``host`` column (e.g. joined from :meth:`Cluster.to_frame`) shown on hover.
     """
     df = frame.reset_index()
-    tp_n, dp_n = int(df.tp.max()) + 1, int(df.dp.max()) + 1
-    x = df.tp
+    if "cp" not in df:
+        df["cp"] = 0
+    tp_n, cp_n, dp_n = int(df.tp.max()) + 1, int(df.cp.max()) + 1, int(df.dp.max()) + 1
+    x = df.cp * (tp_n + 1) + df.tp            # cp blocks side by side, a blank column between them
     y = df.pp * (dp_n + 1) + df.dp            # stages stacked, a blank row between them
     extra = [c for c in ("device", "host") if c in df]
-    hover = [f"rank {r.rank}<br>tp={r.tp} dp={r.dp} pp={r.pp}" + "".join(f"<br>{c}={getattr(r, c)}" for c in extra)
-             for r in df.itertuples()]
+    cp_text = lambda r: f" cp={r.cp}" if cp_n > 1 else ""  # noqa: E731
+    hover = [f"rank {r.rank}<br>tp={r.tp}{cp_text(r)} dp={r.dp} pp={r.pp}"
+             + "".join(f"<br>{c}={getattr(r, c)}" for c in extra) for r in df.itertuples()]
+    kinds = ["tp", "cp", "dp", "dp-cp", "pp"] if cp_n > 1 else ["tp", "dp", "pp"]
+    if color_by not in kinds:
+        raise ValueError(f"topology_figure: color_by={color_by!r}; expected one of {kinds}")
 
-    def group_id(axis):
-        others = [a for a in ("tp", "dp", "pp") if a != axis]
+    def group_id(kind):
+        varying = set(kind.split("-"))
+        others = [a for a in ("tp", "cp", "dp", "pp") if a not in varying]
         return df.groupby(others).ngroup()
 
     fig = go.Figure()
-    for i, axis in enumerate(("tp", "dp", "pp")):
-        gid = group_id(axis)
+    for kind in kinds:
+        gid = group_id(kind)
         fig.add_trace(go.Scatter(
             x=x, y=y, mode="markers+text", text=[str(r) for r in df["rank"]], textposition="middle center",
-            hovertext=hover, hoverinfo="text", name=f"{axis} groups", visible=(axis == color_by),
+            hovertext=hover, hoverinfo="text", name=f"{kind} groups", visible=(kind == color_by),
             marker=dict(size=46, symbol="square", color=gid, colorscale="Turbo", line=dict(width=1, color="white")),
             textfont=dict(color="white", size=14), customdata=gid))
     buttons = [dict(label=f"colour by {a} group", method="update",
-                    args=[{"visible": [b == a for b in ("tp", "dp", "pp")]}]) for a in ("tp", "dp", "pp")]
+                    args=[{"visible": [b == a for b in kinds]}]) for a in kinds]
     stages = sorted(df.pp.unique())
+    order = "tp fastest, then cp, then dp, then pp" if cp_n > 1 else "tp fastest, then dp, then pp"
+    xticks = [c * (tp_n + 1) + t for c in range(cp_n) for t in range(tp_n)]
     fig.update_layout(
-        title="Rank grid (Megatron order: tp fastest, then dp, then pp)", showlegend=False, height=140 + 70 * len(y.unique()),
+        title=f"Rank grid (Megatron order: {order})", showlegend=False, height=140 + 70 * len(y.unique()),
         updatemenus=[dict(buttons=buttons, direction="right", x=0, y=1.12, xanchor="left", type="buttons")],
-        xaxis=dict(title="tp rank", tickvals=list(range(tp_n)), range=[-0.6, tp_n - 0.4]),
+        xaxis=dict(title="tp rank" + (" (one block per cp rank)" if cp_n > 1 else ""), tickvals=xticks,
+                   ticktext=[f"cp{c}.tp{t}" if cp_n > 1 else str(t) for c in range(cp_n) for t in range(tp_n)],
+                   range=[-0.6, max(xticks) + 0.6]),
         yaxis=dict(title="pipeline stage / dp replica", autorange="reversed",
                    tickvals=[p * (dp_n + 1) + d for p in stages for d in range(dp_n)],
                    ticktext=[f"pp={p} dp={d}" for p in stages for d in range(dp_n)]),
@@ -250,7 +263,7 @@ def comm_heatmap(comm: pd.DataFrame) -> go.Figure:
 
 
 def comm_by_axis_figure(comm: pd.DataFrame, *, estimate: Optional[pd.DataFrame] = None) -> go.Figure:
-    """Wire bytes per rank, stacked by axis (tp, pp, dp, embedding, world); estimator totals as markers."""
+    """Wire bytes per rank, stacked by axis (tp, cp, pp, dp, embedding, world); estimator totals as markers."""
     table = comm.pivot_table(index="rank", columns="axis", values="wire_bytes", aggfunc="sum", fill_value=0)
     fig = go.Figure()
     for axis in [a for a in AXIS_COLORS if a in table]:
