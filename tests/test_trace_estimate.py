@@ -40,14 +40,20 @@ VARIANTS = {
     "llama+eager-dropout+full": {"model": llama_config(seq_len=16, hidden=32, heads=4, kv_heads=2, layers=4,
                                                        ffn_hidden=64, dropout=0.1, gate_up_fused=False),
                                  "recompute": "full"},
+    # context parallelism: the ring's key/value messages, dp-cp gradient reduction, ZeRO-1 over dp x cp,
+    # Llama blocks with GQA, bf16, SP, selective recomputation (the ring reruns in backward)
+    "llama+cp2+bf16+sp+zero1+selective": {"model": llama_config(seq_len=16, hidden=32, heads=4, kv_heads=2, layers=4,
+                                                                ffn_hidden=64),
+                                          "cp": 2, "dp": 1, "precision": "bf16", "sequence_parallel": True,
+                                          "zero1": True, "recompute": "selective"},
 }
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def traced(request):
-    options = dict(VARIANTS[request.param])
-    cfg = TrainConfig(model=options.pop("model", MODEL), tp=2, pp=2, dp=2, micro_batch_size=2, global_batch_size=16,
-                      **options)
+    options = dict(tp=2, pp=2, dp=2)
+    options.update(VARIANTS[request.param])
+    cfg = TrainConfig(model=options.pop("model", MODEL), micro_batch_size=2, global_batch_size=16, **options)
     traces = merge_traces(run_ranks(traced_step, world_size=8, args=(cfg.to_dict(),), timeout_s=300))
     return cfg, traces
 
@@ -64,7 +70,7 @@ def test_measured_bytes_per_axis_equal_estimate(traced):
     assert set(table.kind) == {"tp", "cp", "pp", "dp", "embedding", "world"}
     mismatched = table[table.measured != table.estimated]
     assert mismatched.empty, mismatched
-    axes = ["tp", "pp", "dp"] + (["embedding"] if cfg.model.tie_embeddings else [])
+    axes = ["tp", "pp", "dp"] + (["embedding"] if cfg.model.tie_embeddings else []) + (["cp"] if cfg.cp > 1 else [])
     assert (est[axes] > 0).all().all()                    # every axis really carried data
     if not cfg.model.tie_embeddings:
         assert (est["embedding"] == 0).all()              # untied: nothing to sum between first and last stage

@@ -3,7 +3,7 @@
 - :mod:`mlmkit.context_parallel.split` (pure planning, no torch): which tokens each cp rank holds
   (the load-balanced split of Megatron-LM / TransformerEngine, or the naive one) and which
   (query, key) blocks it computes at each ring step;
-- :mod:`mlmkit.context_parallel.ring_attention`: the ring itself (keys and values passed around
+- :mod:`mlmkit.context_parallel.ring`: the ring itself (keys and values passed around
   the cp group with overlapped sends and receives, online-softmax merge, the ring backward).
 
 The topology's ``cp`` axis (:class:`mlmkit.Topology`), ``TrainConfig.cp`` and ``--cp`` switch it on;
@@ -28,7 +28,7 @@ __all__ = ["SPLITS", "Ring", "Segment", "attention_work", "check_split", "chunk_
 def __getattr__(name):
     # The ring needs torch; the planning functions above do not (figures import them torch-free).
     if name in ("Ring", "ring_attention"):
-        from mlmkit.context_parallel import ring_attention as module
+        import mlmkit.context_parallel.ring as module
 
         return getattr(module, name)
     raise AttributeError(name)

@@ -233,7 +233,7 @@ class ParallelAttention(nn.Module):
 
     def _ring(self, seq_len: int):
         if seq_len not in self._rings:
-            from mlmkit.context_parallel.ring_attention import Ring
+            from mlmkit.context_parallel.ring import Ring
 
             self._rings[seq_len] = Ring(self.cp, seq_len=seq_len, split=self.cp_split, site=f"{self.site}.ring")
         return self._rings[seq_len]
@@ -241,9 +241,9 @@ class ParallelAttention(nn.Module):
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(QK^T / sqrt(d), causal) V: ``[b, a/t, s, d]`` (keys and values may have fewer heads).
         With context parallelism ``s`` is this rank's ``s/cp`` tokens and the keys and values of the
-        others come round the ring (:func:`~mlmkit.context_parallel.ring_attention.ring_attention`)."""
+        others come round the ring (:func:`~mlmkit.context_parallel.ring.ring_attention`)."""
         if self.cp is not None and self.cp.size > 1:
-            from mlmkit.context_parallel.ring_attention import ring_attention
+            from mlmkit.context_parallel.ring import ring_attention
 
             return ring_attention(q, k, v, self._ring(q.shape[2] * self.cp.size))
         drop = self.dropout_p if self.training else 0.0

@@ -56,7 +56,7 @@ class Trainer:
         self.chunks = build_model_chunks(config.model, groups=groups, chunks=config.chunks,
                                          sequence_parallel=config.sequence_parallel, recompute=config.recompute,
                                          dtype=dtype_of(config.precision), split_backward=self.schedule.split_backward,
-                                         placement=self.schedule.placement)
+                                         placement=self.schedule.placement, cp_split=config.cp_split)
         named = [(n, p) for c in self.chunks for n, p in c.named_parameters()]
         if config.precision != "fp32":
             attach_main_grads(p for _, p in named)      # fp32 gradients, accumulated across microbatches
