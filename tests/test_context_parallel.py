@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from mlmkit import Topology
-from mlmkit.context_parallel import Ring, attention_work, held_positions, ring_attention, ring_steps
+from mlmkit.context_parallel import Ring, attention_work, held_positions, ring_attention, ring_steps, simulate_ring
+from mlmkit.context_parallel.ring import allgather_attention
 from mlmkit.distributed import ProcessGroups, run_ranks
 from mlmkit.estimate import estimate_train_comm, estimate_train_memory
 from mlmkit.estimate.compare import compare_comm, compare_memory
@@ -26,6 +27,11 @@ LLAMA = llama_config(seq_len=16, hidden=32, heads=4, kv_heads=2, layers=4, ffn_h
 MODELS = {"gpt": GPT2, "llama": LLAMA}
 STEPS = 3
 FP32_TOL = 1e-5
+# Parameters after 3 AdamW steps: the update divides by sqrt(v) + eps (eps = 1e-8), so an element whose
+# gradient is near zero turns a 1e-8 rounding difference of its gradient (a different summation order in
+# the ring's blocks) into up to lr * 1e-8 / eps of parameter. Losses and first-step gradients are held to
+# 1e-5; parameters to 5e-5, still far below the ~lr = 3e-3 that a wrong gradient moves a parameter by.
+PARAM_TOL = 5e-5
 BF16_LOSS_RTOL, BF16_TENSOR_RTOL = 1e-2, 2e-2     # as tests/test_llama.py (bf16's noise, explained there)
 
 
@@ -46,20 +52,23 @@ def _ring_vs_sdpa(rank, world_size):
             ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != a)
             ref.backward(grad)
             pos = torch.tensor(held_positions(s, world_size, groups.cp.rank, split))
-            ql, kl, vl = (t.detach()[:, :, pos].clone().requires_grad_(True) for t in (q, k, v))
-            got = ring_attention(ql, kl, vl, Ring(groups.cp, seq_len=s, split=split))
-            got.backward(grad[:, :, pos])
-            errors = [(got - ref[:, :, pos]).abs().max().item()]
-            errors += [(mine.grad - full.grad[:, :, pos]).abs().max().item() for mine, full in ((ql, q), (kl, k), (vl, v))]
-            out.append((split, kv_heads, errors))
+            for variant, kernel in ((ring_attention, "auto"), (ring_attention, "math"), (allgather_attention, "auto")):
+                ql, kl, vl = (t.detach()[:, :, pos].clone().requires_grad_(True) for t in (q, k, v))
+                got = variant(ql, kl, vl, Ring(groups.cp, seq_len=s, split=split, kernel=kernel))
+                got.backward(grad[:, :, pos])
+                errors = [(got - ref[:, :, pos]).abs().max().item()]
+                errors += [(mine.grad - full.grad[:, :, pos]).abs().max().item()
+                           for mine, full in ((ql, q), (kl, k), (vl, v))]
+                out.append((f"{variant.__name__}/{kernel}", split, kv_heads, errors))
     return out
 
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_attention_equals_sdpa_on_the_full_sequence(cp):
     for rank, results in enumerate(run_ranks(_ring_vs_sdpa, world_size=cp, timeout_s=120)):
-        for split, kv_heads, errors in results:
-            assert max(errors) <= FP32_TOL, (rank, split, kv_heads, errors)   # output, dQ, dK, dV
+        assert len(results) == 18
+        for variant, split, kv_heads, errors in results:
+            assert max(errors) <= FP32_TOL, (rank, variant, split, kv_heads, errors)   # output, dQ, dK, dV
 
 
 @pytest.mark.parametrize("seq_len,cp", [(16, 2), (16, 4), (64, 8), (24, 3)])
@@ -74,6 +83,19 @@ def test_balanced_split_gives_every_rank_the_same_attention_work(seq_len, cp):
         steps = ring_steps(seq_len, cp, r)
         assert [src for src, _ in steps] == [(r - j) % cp for j in range(cp)]
         assert all(sum(seg.pairs for seg in segs) == 2 * c * c for _, segs in steps[1:])
+
+
+def test_simulated_ring_shows_the_naive_split_idle():
+    import pandas as pd
+
+    idle = {}
+    for split in ("balanced", "naive"):
+        df = pd.DataFrame(simulate_ring(64, 4, split, layers=3, pair_time=1e-3, message_time=0.01))
+        end = df.end.max()
+        idle[split] = (1 - (df.end - df.start).groupby(df["rank"]).sum() / end).tolist()
+        assert df.groupby("rank").size().tolist() == [3 * 4] * 4
+    assert max(idle["balanced"]) < 1e-9                       # messages hidden behind equal work
+    assert idle["naive"] == sorted(idle["naive"], reverse=True) and idle["naive"][0] > 0.8 and idle["naive"][-1] < 1e-9
 
 
 # ------------------------------------------------------------------------------- training parity
@@ -134,10 +156,10 @@ def _serial(model: str, precision: str) -> dict:
     return _SERIAL[model, precision]
 
 
-def _close(a, b, precision, bf16_error=0.0) -> bool:
+def _close(a, b, precision, bf16_error=0.0, tol=FP32_TOL) -> bool:
     a, b = a.double(), b.double()
     if precision == "fp32":
-        return (a - b).abs().max().item() <= FP32_TOL
+        return (a - b).abs().max().item() <= tol
     return (a - b).norm().item() <= max(BF16_TENSOR_RTOL * b.norm().item(), 2 * bf16_error) + 1e-12
 
 
@@ -164,7 +186,8 @@ def test_context_parallel_layout_matches_serial(layout):
         if precision == "bf16" and kind == "params":
             fp32 = _serial(model, "fp32")[kind]
             own = {n: (t.double() - fp32[n].double()).norm().item() for n, t in ref[kind].items()}
-        bad = [n for n in merged if not _close(merged[n], ref[kind][n], precision, own.get(n, 0.0))]
+        tol = FP32_TOL if kind == "grads" else PARAM_TOL
+        bad = [n for n in merged if not _close(merged[n], ref[kind][n], precision, own.get(n, 0.0), tol)]
         assert not bad, (layout, kind, bad[:5])
     assert ref["losses"][-1] < ref["losses"][0]
 

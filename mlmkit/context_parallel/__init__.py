@@ -19,10 +19,11 @@ from mlmkit.context_parallel.split import (
     held_chunks,
     held_positions,
     ring_steps,
+    simulate_ring,
 )
 
 __all__ = ["SPLITS", "Ring", "Segment", "attention_work", "check_split", "chunk_count", "held_chunks",
-           "held_positions", "ring_attention", "ring_steps"]
+           "held_positions", "ring_attention", "ring_steps", "simulate_ring"]
 
 
 def __getattr__(name):

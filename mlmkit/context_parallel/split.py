@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["SPLITS", "Segment", "attention_work", "check_split", "chunk_count", "held_chunks",
-           "held_positions", "ring_steps"]
+           "held_positions", "ring_steps", "simulate_ring"]
 
 #: How the sequence is divided over the cp ranks.
 SPLITS = ("balanced", "naive")
@@ -125,3 +125,37 @@ def ring_steps(seq_len: int, cp: int, rank: int, split: str = "balanced") -> lis
 def attention_work(seq_len: int, cp: int, split: str = "balanced") -> list[int]:
     """(query, key) pairs each cp rank computes over a whole ring: equal for ``"balanced"``."""
     return [sum(seg.pairs for _, segs in ring_steps(seq_len, cp, r, split) for seg in segs) for r in range(cp)]
+
+
+def simulate_ring(seq_len: int, cp: int, split: str = "balanced", *, layers: int = 1, pair_time: float = 1.0,
+                  step_overhead: float = 0.0, message_time: float = 0.0) -> list[dict]:
+    """Forward ring attention of ``layers`` consecutive layers on a simple clock: returns one row per
+    (rank, layer, step) with ``start``/``end`` of its compute, like a ``ring`` trace.
+
+    Costs: a step computes its (query, key) pairs at ``pair_time`` each, plus ``step_overhead``; a
+    block sent at the start of a step arrives ``message_time`` later. A rank starts step ``j + 1``
+    when it finished step ``j`` and the block from its predecessor arrived (that rank sends it when
+    it starts its step ``j``); a layer starts when the rank finished the previous one. Ranks with
+    less work wait: the idle time the naive split shows."""
+    if layers < 1:
+        raise ValueError(f"simulate_ring: layers={layers} must be >= 1")
+    plans = [ring_steps(seq_len, cp, r, split) for r in range(cp)]
+    free = [0.0] * cp                   # when each rank finished its previous work
+    rows = []
+    for layer in range(layers):
+        start = [[0.0] * cp for _ in range(cp)]   # start[j][r]
+        for j in range(cp):
+            for r in range(cp):
+                if j == 0:
+                    t = free[r]
+                else:
+                    prev = (r - 1) % cp                   # it sent this block when it started step j - 1
+                    t = max(free[r], start[j - 1][prev] + message_time)
+                start[j][r] = t
+                src, segs = plans[r][j]
+                pairs = sum(s.pairs for s in segs)
+                end = t + pairs * pair_time + step_overhead
+                free[r] = end
+                rows.append({"rank": r, "layer": layer, "step": j, "src": src, "pairs": pairs,
+                             "start": t, "end": end})
+    return rows
