@@ -142,3 +142,55 @@ def test_save_html_is_standalone(tmp_path):
 def test_viz_imports_no_torch():
     code = "import sys, mlmkit.viz; bad=[m for m in sys.modules if m.startswith('torch')]; assert not bad, bad"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_topology_figure_with_context_parallelism():
+    topo = Topology(tp=2, cp=2, dp=2)
+    fig = topology_figure(topo.to_frame(), color_by="dp-cp")
+    names = [t.name.split()[0] for t in fig.data]
+    assert names == ["tp", "cp", "dp", "dp-cp", "pp"]
+    colours = {n: list(t.marker.color) for n, t in zip(names, fig.data)}
+    for kind in ("cp", "dp-cp"):
+        for group in topo.groups(kind):
+            assert len({colours[kind][r] for r in group}) == 1
+        assert len(set(colours[kind])) == len(topo.groups(kind))
+    assert [t.visible for t in fig.data] == [False, False, False, True, False]
+    with pytest.raises(ValueError, match="color_by='ep'"):
+        topology_figure(topo.to_frame(), color_by="ep")
+
+
+@pytest.mark.parametrize("split", ["balanced", "naive"])
+def test_cp_split_figure_colours_every_causal_pair_once(split):
+    import math
+
+    from mlmkit.context_parallel import attention_work
+    from mlmkit.viz import cp_split_figure
+
+    fig = cp_split_figure(16, 4, split)
+    owner = fig.data[0].z[0]
+    steps = [t.z for t in fig.data[1:]]
+    assert len(steps) == 4
+    seen = {}
+    for z in steps:
+        for q in range(16):
+            for k in range(16):
+                if not math.isnan(z[q][k]):
+                    assert (q, k) not in seen and k <= q          # each causal pair computed once
+                    seen[q, k] = int(z[q][k])
+                    assert owner[q] == z[q][k]                    # by the rank holding the query
+    assert len(seen) == 16 * 17 // 2
+    per_rank = [sum(1 for r in seen.values() if r == rank) for rank in range(4)]
+    assert per_rank == attention_work(16, 4, split)
+
+
+def test_ring_timeline_and_memory_figures():
+    from mlmkit.context_parallel import simulate_ring
+    from mlmkit.viz import cp_memory_figure, ring_timeline_figure
+
+    ring = pd.DataFrame(simulate_ring(16, 2, layers=2, pair_time=1.0)).assign(phase="forward", site="layers.0.attn.ring")
+    comm = pd.DataFrame({"rank": [0, 1], "op": ["send", "send"], "axis": ["cp", "cp"], "start": [0.0, 0.0],
+                         "end": [1.0, 1.0], "site": ["x", "x"], "bytes": [8, 8]})
+    fig = ring_timeline_figure(ring, comm)
+    assert len(fig.data[0].x) == len(ring) and len(fig.data[1].x) == 2
+    mem = cp_memory_figure(pd.DataFrame({"cp": [1, 2, 4], "measured": [8.0, 4.2, 2.1], "estimated": [8.0, 4.2, 2.1]}))
+    assert list(mem.data[2].y) == pytest.approx([8 / 1024, 4 / 1024, 2 / 1024])

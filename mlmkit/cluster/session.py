@@ -424,7 +424,7 @@ class Session:
         return pd.DataFrame(self.history, columns=METRIC_COLUMNS)
 
     def traces(self, *, clear: bool = False) -> dict:
-        """Every rank's traces merged: ``events``, ``comm``, ``memory`` DataFrames and ``t0``."""
+        """Every rank's traces merged: ``events``, ``comm``, ``memory``, ``ring`` DataFrames and ``t0``."""
         from mlmkit.trace.export import merge_traces
 
         per_rank = self._call(_traces, clear)

@@ -58,7 +58,7 @@ def cp_split_figure(seq_len: int, cp: int, split: str = "balanced") -> go.Figure
     for r in range(cp):
         for pos in held_positions(seq_len, cp, r, split):
             owner[pos] = r
-    fig = make_subplots(rows=2, cols=cp, row_heights=[0.12, 0.88], vertical_spacing=0.12, horizontal_spacing=0.03,
+    fig = make_subplots(rows=2, cols=cp, row_heights=[0.12, 0.88], vertical_spacing=0.2, horizontal_spacing=0.03,
                         specs=[[{"colspan": cp}] + [None] * (cp - 1), [{}] * cp],
                         subplot_titles=["tokens held (colour = cp rank)"]
                         + [f"ring step {j}" + (" (own keys/values)" if j == 0 else "") for j in range(cp)])
@@ -83,7 +83,7 @@ def cp_split_figure(seq_len: int, cp: int, split: str = "balanced") -> go.Figure
         fig.update_xaxes(title="key position", row=2, col=j + 1)
     work = attention_work(seq_len, cp, split)
     fig.update_layout(title=f"{split} split, cp={cp}, s={seq_len} ({chunk_count(cp, split)} chunks): "
-                            f"pairs computed per rank {work}", height=380, plot_bgcolor="white")
+                            f"pairs computed per rank {work}", height=420, plot_bgcolor="white")
     return fig
 
 

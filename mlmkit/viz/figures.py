@@ -76,8 +76,10 @@ def topology_figure(frame: pd.DataFrame, *, color_by: str = "pp") -> go.Figure:
     order = "tp fastest, then cp, then dp, then pp" if cp_n > 1 else "tp fastest, then dp, then pp"
     xticks = [c * (tp_n + 1) + t for c in range(cp_n) for t in range(tp_n)]
     fig.update_layout(
-        title=f"Rank grid (Megatron order: {order})", showlegend=False, height=140 + 70 * len(y.unique()),
-        updatemenus=[dict(buttons=buttons, direction="right", x=0, y=1.12, xanchor="left", type="buttons")],
+        title=dict(text=f"Rank grid (Megatron order: {order})", y=0.98, yanchor="top"), showlegend=False,
+        height=200 + 70 * len(y.unique()), margin=dict(t=130),
+        updatemenus=[dict(buttons=buttons, direction="right", x=0, y=1.03, xanchor="left", yanchor="bottom",
+                          type="buttons")],
         xaxis=dict(title="tp rank" + (" (one block per cp rank)" if cp_n > 1 else ""), tickvals=xticks,
                    ticktext=[f"cp{c}.tp{t}" if cp_n > 1 else str(t) for c in range(cp_n) for t in range(tp_n)],
                    range=[-0.6, max(xticks) + 0.6]),
