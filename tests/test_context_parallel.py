@@ -102,6 +102,8 @@ def test_simulated_ring_shows_the_naive_split_idle():
 # Every axis and option of the parity suite, with cp: tp (and SP), pp with every schedule, dp, both
 # recomputations, ZeRO-1, both communication paths, bf16; GPT-2 and Llama blocks; both splits.
 LAYOUTS = {
+    "gpt-cp2": dict(model="gpt", cp=2),
+    "gpt-cp4": dict(model="gpt", cp=4),
     "llama-cp2": dict(model="llama", cp=2),
     "llama-cp4": dict(model="llama", cp=4),
     "gpt-cp4-naive-selective": dict(model="gpt", cp=4, cp_split="naive", recompute="selective"),
