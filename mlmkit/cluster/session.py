@@ -421,7 +421,8 @@ class Session:
     def metrics(self):
         import pandas as pd
 
-        return pd.DataFrame(self.history, columns=METRIC_COLUMNS)
+        columns = METRIC_COLUMNS + (["aux_loss", "dropped"] if self.config.model.moe else [])
+        return pd.DataFrame(self.history, columns=columns)
 
     def traces(self, *, clear: bool = False) -> dict:
         """Every rank's traces merged: ``events``, ``comm``, ``memory``, ``ring`` DataFrames and ``t0``."""

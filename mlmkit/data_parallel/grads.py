@@ -12,7 +12,9 @@ Gradient-norm clipping must count every parameter element exactly once in the wh
 - a shard held by several TP ranks (key/value heads when tp > kv_heads): counted on the first of them;
 - the last pipeline stage's copy of a tied word embedding: not counted (the first stage's is);
 - data-parallel replicas hold identical (averaged) gradients: counted once (the sum over the world
-  is divided by dp).
+  is divided by dp);
+- an expert's parameters: split over expert-tp ranks (or counted on the first), held identically by
+  its expert-dp replicas (divided by their number).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from torch import nn
 from mlmkit.distributed import CommGroup, ProcessGroups
 from mlmkit.tensor_parallel.layers import param_grad
 
-__all__ = ["allreduce_gradients", "bucketize", "clip_grad_norm", "counted_once"]
+__all__ = ["allreduce_gradients", "bucketize", "clip_grad_norm", "counted_once", "counted_once_expert"]
 
 
 def bucketize(params: Sequence[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
@@ -48,8 +50,9 @@ def bucketize(params: Sequence[nn.Parameter], bucket_bytes: int) -> list[list[nn
 
 
 def allreduce_gradients(params: Iterable[nn.Parameter], dp: CommGroup, *, bucket_bytes: int = 25 * 2**20,
-                        reduce_dtype: Optional[torch.dtype] = None) -> int:
+                        reduce_dtype: Optional[torch.dtype] = None, divisor: Optional[int] = None) -> int:
     """Average gradients over the dp group, one all-reduce per bucket. Returns the number of buckets.
+    ``divisor``: what the sum is divided by (default the group's size; expert parameters use dp x cp).
 
     The gradients are :func:`~mlmkit.tensor_parallel.param_grad` (fp32 ``main_grad`` under mixed
     precision); ``reduce_dtype`` (e.g. bf16) is the dtype on the wire, default: the gradients' own.
@@ -60,7 +63,11 @@ def allreduce_gradients(params: Iterable[nn.Parameter], dp: CommGroup, *, bucket
     for p in params:
         if param_grad(p) is None:
             p.grad = torch.zeros_like(p)
+    divisor = dp.size if divisor is None else divisor
     if dp.size == 1:
+        if divisor != 1:
+            for p in params:
+                param_grad(p).div_(divisor)
         return 0
     grads = [param_grad(p) for p in reversed(params)]
     wire = reduce_dtype or grads[0].dtype
@@ -71,7 +78,7 @@ def allreduce_gradients(params: Iterable[nn.Parameter], dp: CommGroup, *, bucket
         start += count
         flat = torch.cat([g.reshape(-1).to(wire) for g in bucket])
         dp.all_reduce(flat, site=f"dp_grads.bucket{i}", phase="backward")
-        flat = flat.to(bucket[0].dtype).div_(dp.size)
+        flat = flat.to(bucket[0].dtype).div_(divisor)
         offset = 0
         for g in bucket:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
@@ -102,6 +109,12 @@ def counted_once(param: nn.Parameter, groups: ProcessGroups) -> bool:
     if groups.coords.tp % getattr(param, "tp_replicas", 1):
         return False
     return True
+
+
+def counted_once_expert(param: nn.Parameter, groups: ProcessGroups) -> bool:
+    """An expert parameter counts on every expert-tp rank when split over them, else on the first;
+    its expert-dp replicas hold identical (reduced) gradients and are counted once by dividing."""
+    return getattr(param, "tp_split_dim", None) is not None or groups.expert_tp.rank == 0
 
 
 def clip_grad_norm(params: Sequence[nn.Parameter], groups: ProcessGroups, *, max_norm: float,

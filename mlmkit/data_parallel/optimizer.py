@@ -25,6 +25,12 @@ With context parallelism the dense parameters are replicated over dp x cp ranks,
 above is the dp-cp group (:attr:`ProcessGroups.dp_cp`, Megatron-LM's data-parallel group with
 context parallelism): gradients are averaged and ZeRO-1 shards cut over ``dp * cp`` ranks.
 
+Mixture of experts: expert parameters are held by their own data-parallel replicas (the
+expert-dp group) and have their own optimizer part: their gradients are summed over expert-dp and
+divided by ``dp * cp`` (each copy of an expert summed tokens of several replicas), ZeRO-1 shards cut
+over expert-dp. :func:`make_optimizer` then returns a :class:`MultiOptimizer` whose parts clip to
+one global norm.
+
 AdamW is element-wise, so updating shards gives exactly the same numbers as updating the whole.
 Both expose the state per parameter name (:meth:`state_by_name`, with the master weights under
 mixed precision) so checkpoints are layout-free and resume exactly.
@@ -32,24 +38,38 @@ mixed precision) so checkpoints are layout-free and resume exactly.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import math
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
-from mlmkit.data_parallel.grads import allreduce_gradients, clip_grad_norm, counted_once
-from mlmkit.distributed import ProcessGroups
+from mlmkit.data_parallel.grads import allreduce_gradients, counted_once, counted_once_expert
+from mlmkit.distributed import CommGroup, ProcessGroups
 from mlmkit.tensor_parallel.layers import param_grad
 
-__all__ = ["ReplicatedAdamW", "ShardedAdamW", "make_optimizer"]
+__all__ = ["MultiOptimizer", "ReplicatedAdamW", "ShardedAdamW", "make_optimizer"]
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 class _Base:
+    """One optimizer part: the parameters reduced over one group.
+
+    A step is :meth:`reduce_grads` (average over the replicas), :meth:`local_sumsq` (this rank's
+    share of the squared global norm, each element counted once in the job), and :meth:`apply`
+    (clip by ``coef``, AdamW). :meth:`step` runs all three for a part that is the whole optimizer.
+
+    Args:
+        reduce: the replicas that hold these parameters (default: the dp-cp group).
+        divisor: what the summed gradients are divided by (default: ``reduce.size``).
+        counted: whether a parameter's elements on this rank count towards the global norm.
+    """
+
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], groups: ProcessGroups, *,
                  betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0, max_grad_norm: float = 1.0,
-                 grad_reduce_dtype: Optional[torch.dtype] = None):
+                 grad_reduce_dtype: Optional[torch.dtype] = None, reduce: Optional[CommGroup] = None,
+                 divisor: Optional[int] = None, counted: Optional[Callable] = None, label: str = "dp"):
         self.named = [(n, p) for n, p in named_params if p.requires_grad]
         names = [n for n, _ in self.named]
         if len(set(names)) != len(names):
@@ -61,6 +81,10 @@ class _Base:
         self.param_dtype = dtypes.pop() if dtypes else torch.float32
         self.mixed = self.param_dtype != torch.float32
         self.groups = groups
+        self.reduce = reduce if reduce is not None else groups.dp_cp
+        self.divisor = self.reduce.size if divisor is None else divisor
+        self.counted = counted or (lambda p: counted_once(p, groups))
+        self.label = label
         self.hyper = dict(betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         self.max_grad_norm = max_grad_norm
         self.grad_reduce_dtype = grad_reduce_dtype
@@ -81,6 +105,30 @@ class _Base:
         """Every tensor the optimizer holds (moments, master weights): what memory accounting counts."""
         return [v for st in self.opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
 
+    def step(self, *, lr: float) -> float:
+        """Average, clip, update. Returns the global gradient norm before clipping."""
+        self.reduce_grads()
+        norm = global_norm([self.local_sumsq()], self.groups)
+        self.apply(lr=lr, coef=clip_coef(norm, self.max_grad_norm))
+        self.last_grad_norm = norm
+        return norm
+
+
+def global_norm(sumsqs: Sequence[torch.Tensor], groups: ProcessGroups) -> float:
+    """The job's gradient norm from each part's local share (one all-reduce over the world)."""
+    total = torch.stack([s.double().reshape(()) for s in sumsqs]).sum() if sumsqs else \
+        torch.zeros((), dtype=torch.float64, device=groups.device)
+    total = total.to(groups.device).clone()
+    groups.world.all_reduce(total, site="grad_norm")
+    return math.sqrt(float(total))
+
+
+def clip_coef(norm: float, max_norm: float) -> float:
+    """``torch.nn.utils.clip_grad_norm_``'s rule: scale by ``max_norm / (norm + 1e-6)`` when below 1;
+    ``max_norm = 0``: no clipping."""
+    coef = max_norm / (norm + 1e-6)
+    return coef if max_norm > 0 and coef < 1.0 else 1.0
+
 
 class ReplicatedAdamW(_Base):
     """Plain data parallelism: bucketed all-reduce of gradients, full AdamW state on every rank."""
@@ -92,11 +140,22 @@ class ReplicatedAdamW(_Base):
         self.master = [p.detach().float().clone() for p in self.params] if self.mixed else None
         self.opt = torch.optim.AdamW(self.master if self.mixed else self.params, lr=0.0, **self.hyper)
 
-    def step(self, *, lr: float) -> float:
-        """Average, clip, update. Returns the global gradient norm before clipping."""
-        allreduce_gradients(self.params, self.groups.dp_cp, bucket_bytes=self.bucket_bytes,
-                            reduce_dtype=self.grad_reduce_dtype)
-        self.last_grad_norm = clip_grad_norm(self.params, self.groups, max_norm=self.max_grad_norm)
+    def reduce_grads(self) -> None:
+        allreduce_gradients(self.params, self.reduce, bucket_bytes=self.bucket_bytes,
+                            reduce_dtype=self.grad_reduce_dtype, divisor=self.divisor)
+
+    def local_sumsq(self) -> torch.Tensor:
+        # replicas hold identical averaged gradients: each counts 1/replicas of its elements
+        grads = [param_grad(p).detach() for p in self.params if param_grad(p) is not None and self.counted(p)]
+        if not grads:
+            return torch.zeros((), dtype=torch.float64, device=self.groups.device)
+        return torch.stack(torch._foreach_norm(grads)).double().pow(2).sum() / self.reduce.size
+
+    def apply(self, *, lr: float, coef: float) -> None:
+        if coef < 1.0:
+            grads = [param_grad(p) for p in self.params if param_grad(p) is not None]
+            if grads:
+                torch._foreach_mul_(grads, coef)
         for g in self.opt.param_groups:
             g["lr"] = lr
         if self.mixed:
@@ -109,7 +168,6 @@ class ReplicatedAdamW(_Base):
                     m.grad = None
         else:
             self.opt.step()
-        return self.last_grad_norm
 
     def params_loaded(self) -> None:
         if self.mixed:
@@ -148,14 +206,14 @@ class ShardedAdamW(_Base):
 
     def __init__(self, named_params, groups: ProcessGroups, **kw):
         super().__init__(named_params, groups, **kw)
-        dp = groups.dp_cp.size
+        dp = self.reduce.size
         self.numel = sum(p.numel() for p in self.params)
         self.shard_size = -(-self.numel // dp)           # ceil(N / dp); the flat vector is zero-padded
-        self.start = groups.dp_cp.rank * self.shard_size
+        self.start = self.reduce.rank * self.shard_size
         flat = self._flat([p.detach().float() for p in self.params])
         self.shard = nn.Parameter(flat[self.start:self.start + self.shard_size].clone())   # fp32 master shard
         # 1 where this element counts towards the global gradient norm, else 0 (module grads).
-        counts = self._flat([torch.full_like(p, 1.0, dtype=torch.float32) if counted_once(p, groups)
+        counts = self._flat([torch.full_like(p, 1.0, dtype=torch.float32) if self.counted(p)
                              else torch.zeros_like(p, dtype=torch.float32) for p in self.params])
         self.count_mask = counts[self.start:self.start + self.shard_size]
         self.opt = torch.optim.AdamW([self.shard], lr=0.0, **self.hyper)
@@ -173,41 +231,42 @@ class ShardedAdamW(_Base):
     def _flat(self, tensors) -> torch.Tensor:
         # [N] -> [dp * shard_size], zero-padded at the end.
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        pad = self.shard_size * self.groups.dp_cp.size - flat.numel()
+        pad = self.shard_size * self.reduce.size - flat.numel()
         return torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
 
-    def step(self, *, lr: float) -> float:
-        dp = self.groups.dp_cp
+    def reduce_grads(self) -> None:
+        dp = self.reduce
         grads = self._flat([param_grad(p) if param_grad(p) is not None else torch.zeros_like(p, dtype=torch.float32)
                             for p in self.params])
         if dp.size > 1:
             wire = grads.to(self.grad_reduce_dtype) if self.grad_reduce_dtype is not None else grads
-            shard_grad = dp.reduce_scatter(wire, dim=0, site="zero1.grads", phase="backward").float()
+            shard_grad = dp.reduce_scatter(wire, dim=0, site=f"zero1.grads.{self.label}", phase="backward").float()
         else:
             shard_grad = grads.float()
-        shard_grad = shard_grad / dp.size                              # [shard_size], averaged
-        sumsq = (shard_grad.double().pow(2) * self.count_mask.double()).sum()
-        self.last_grad_norm = clip_grad_norm([], self.groups, max_norm=self.max_grad_norm, local_sumsq=sumsq)
-        coef = self.max_grad_norm / (self.last_grad_norm + 1e-6)
-        if self.max_grad_norm > 0 and coef < 1.0:
-            shard_grad = shard_grad * coef
-        self.shard.grad = shard_grad
+        self._shard_grad = shard_grad / self.divisor                  # [shard_size], averaged
+
+    def local_sumsq(self) -> torch.Tensor:
+        return (self._shard_grad.double().pow(2) * self.count_mask.double()).sum()
+
+    def apply(self, *, lr: float, coef: float) -> None:
+        dp = self.reduce
+        self.shard.grad = self._shard_grad * coef if coef < 1.0 else self._shard_grad
+        self._shard_grad = None
         for g in self.opt.param_groups:
             g["lr"] = lr
         self.opt.step()
         self.shard.grad = None
         # The updated weights travel in the parameters' own dtype (bf16 under mixed precision).
         mine = self.shard.detach().to(self.param_dtype)
-        full = dp.all_gather(mine, dim=0, site="zero1.params") if dp.size > 1 else mine
+        full = dp.all_gather(mine, dim=0, site=f"zero1.params.{self.label}") if dp.size > 1 else mine
         offset = 0
         with torch.no_grad():
             for p in self.params:
                 p.copy_(full[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
-        return self.last_grad_norm
 
     def _gather(self, local: torch.Tensor) -> torch.Tensor:
-        dp = self.groups.dp_cp
+        dp = self.reduce
         return dp.all_gather(local.detach(), dim=0, site="zero1.checkpoint") if dp.size > 1 else local.detach()
 
     def state_by_name(self) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
@@ -237,8 +296,65 @@ class ShardedAdamW(_Base):
                                           **{k: flat[k][sl].clone() for k in _STATE_KEYS}}
 
 
+class MultiOptimizer:
+    """Several optimizer parts (dense parameters over dp-cp, expert parameters over expert-dp)
+    stepping together: each reduces its gradients, one global norm clips them all, each updates."""
+
+    def __init__(self, parts: Sequence[_Base], groups: ProcessGroups, *, max_grad_norm: float):
+        self.parts, self.groups, self.max_grad_norm = list(parts), groups, max_grad_norm
+        self.params = [p for part in self.parts for p in part.params]
+        self.last_grad_norm: float = float("nan")
+
+    def step(self, *, lr: float) -> float:
+        for part in self.parts:
+            part.reduce_grads()
+        norm = global_norm([part.local_sumsq() for part in self.parts], self.groups)
+        coef = clip_coef(norm, self.max_grad_norm)
+        for part in self.parts:
+            part.apply(lr=lr, coef=coef)
+        self.last_grad_norm = norm
+        return norm
+
+    def zero_grad(self) -> None:
+        for part in self.parts:
+            part.zero_grad()
+
+    def params_loaded(self) -> None:
+        for part in self.parts:
+            part.params_loaded()
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [t for part in self.parts for t in part.state_tensors()]
+
+    def state_by_name(self) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
+        states, step = {}, 0
+        for part in self.parts:
+            s, n = part.state_by_name()
+            states.update(s)
+            step = max(step, n)
+        return states, step
+
+    def load_state_by_name(self, states: dict, step: int) -> None:
+        for part in self.parts:
+            part.load_state_by_name(states, step)
+
+
 def make_optimizer(named_params, groups: ProcessGroups, *, zero1: bool, bucket_bytes: int, **kw):
-    """:class:`ShardedAdamW` when ``zero1``, else :class:`ReplicatedAdamW`."""
-    if zero1:
-        return ShardedAdamW(named_params, groups, **kw)
-    return ReplicatedAdamW(named_params, groups, bucket_bytes=bucket_bytes, **kw)
+    """:class:`ShardedAdamW` when ``zero1``, else :class:`ReplicatedAdamW`; with expert parameters
+    (``param.expert``), a :class:`MultiOptimizer` of a dense part and an expert part."""
+    named_params = list(named_params)
+    dense = [(n, p) for n, p in named_params if not getattr(p, "expert", False)]
+    expert = [(n, p) for n, p in named_params if getattr(p, "expert", False)]
+
+    def part(named, **extra):
+        if zero1:
+            return ShardedAdamW(named, groups, **kw, **extra)
+        return ReplicatedAdamW(named, groups, bucket_bytes=bucket_bytes, **kw, **extra)
+
+    if not expert:
+        return part(dense)
+    dp_cp = groups.topology.dp * groups.topology.cp
+    parts = [part(dense, label="dp"),
+             part(expert, reduce=groups.expert_dp, divisor=dp_cp, label="expert",
+                  counted=lambda p: counted_once_expert(p, groups))]
+    return MultiOptimizer(parts, groups, max_grad_norm=kw.get("max_grad_norm", 1.0))

@@ -134,6 +134,30 @@ class CommGroup:
                      wire=_nbytes(tensor) if self.rank == src else 0, phase=phase)
         return tensor
 
+    def all_to_all(self, tensor: torch.Tensor, *, send_splits: Sequence[int], recv_splits: Sequence[int],
+                   site: str = "", phase: str = "") -> torch.Tensor:
+        """Rows ``send_splits[j]`` of ``tensor`` (in order) go to member ``j``; returns the rows every
+        member sent here, concatenated in member order (``recv_splits[j]`` from member ``j``).
+        Traced as one row per peer (op ``all_to_all``, ``ranks`` = (this rank, peer), the bytes sent
+        to that peer): the all-to-all matrix of a step can be read off the trace."""
+        if self.size == 1:
+            return tensor
+        send_splits, recv_splits = [int(n) for n in send_splits], [int(n) for n in recv_splits]
+        if len(send_splits) != self.size or sum(send_splits) != tensor.shape[0]:
+            raise ValueError(f"all_to_all on {self.axis}: send_splits={send_splits} must have {self.size} entries "
+                             f"summing to the {tensor.shape[0]} rows of the input")
+        start = self._now()
+        src = tensor.contiguous()
+        out = torch.empty((sum(recv_splits), *src.shape[1:]), dtype=src.dtype, device=src.device)
+        dist.all_to_all_single(out, src, output_split_sizes=recv_splits, input_split_sizes=send_splits,
+                               group=self.pg)
+        row = src[0].numel() * src.element_size() if src.dim() > 1 else src.element_size()
+        for j, n in enumerate(send_splits):
+            if j != self.rank:
+                self._record("all_to_all", n * row, start, site, peers=(self.global_rank, self.ranks[j]),
+                             wire=n * row, phase=phase)
+        return out
+
     def ring_shift(self, tensor: torch.Tensor, *, site: str = "", phase: str = "", tag: int = 0) -> "RingShift":
         """Send ``tensor`` to the next member of the ring and receive the previous member's tensor of
         the same shape, without waiting: returns a :class:`RingShift` whose ``wait()`` gives the

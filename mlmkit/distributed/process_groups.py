@@ -112,7 +112,7 @@ def _loopback_interface() -> str:
 
 #: The process groups each rank builds: attribute name -> group kind of :meth:`Topology.groups`.
 GROUP_ATTRS: dict[str, str] = {
-    "tp": "tp", "cp": "cp", "dp": "dp", "dp_cp": "dp-cp", "pp": "pp", "embedding": "embedding",
+    "tp": "tp", "cp": "cp", "dp": "dp", "dp_cp": "dp-cp", "tp_cp": "tp-cp", "pp": "pp", "embedding": "embedding",
     "ep": "ep", "expert_tp": "expert-tp", "expert_dp": "expert-dp",
 }
 
@@ -127,6 +127,8 @@ class ProcessGroups:
         tp, cp, dp, pp: this rank's group along each axis of the dense grid.
         dp_cp: the ranks holding the same dense parameters (data x context parallel): gradients
             are averaged and ZeRO shards are cut over it (Megatron-LM's "dp with cp" group).
+        tp_cp: the ranks that split one microbatch's tokens (tp with sequence parallelism, times
+            cp): a mixture of experts sums its routing statistics over it.
         embedding: first and last pipeline stage of this replica (``None`` on middle stages).
         ep, expert_tp, expert_dp: the expert grid's groups (mixture-of-experts layers).
         world: all ranks.
@@ -146,6 +148,7 @@ class ProcessGroups:
     device: torch.device
     cp: Optional[CommGroup] = None
     dp_cp: Optional[CommGroup] = None
+    tp_cp: Optional[CommGroup] = None
     ep: Optional[CommGroup] = None
     expert_tp: Optional[CommGroup] = None
     expert_dp: Optional[CommGroup] = None
@@ -160,6 +163,10 @@ class ProcessGroups:
             if self.cp.size > 1:
                 raise ValueError("ProcessGroups: give dp_cp when cp > 1")
             self.dp_cp = self.dp
+        if self.tp_cp is None:
+            if self.cp.size > 1:
+                raise ValueError("ProcessGroups: give tp_cp when cp > 1")
+            self.tp_cp = self.tp
 
     @classmethod
     def build(cls, topology: Topology, *, rank: Optional[int] = None, tracer=None,
@@ -184,8 +191,10 @@ class ProcessGroups:
                 if key not in made:
                     made[key] = dist.new_group(ranks) if len(ranks) > 1 else None
                 if rank in ranks:
-                    # The dp-cp group reduces gradients: traced as the data-parallel axis.
-                    axis = "dp" if attr == "dp_cp" else attr
+                    # The dp-cp group reduces gradients: traced as the data-parallel axis; tp-cp sums
+                    # routing statistics of the tokens split over tp and cp.
+                    axis = {"dp_cp": "dp", "tp_cp": "tp-cp", "expert_tp": "expert-tp",
+                            "expert_dp": "expert-dp"}.get(attr, attr)
                     mine[attr] = CommGroup(axis=axis, ranks=ranks, global_rank=rank, pg=made[key], tracer=tracer)
         world = CommGroup(axis="world", ranks=range(topology.world_size), global_rank=rank,
                           pg=dist.group.WORLD, tracer=tracer)
@@ -201,6 +210,7 @@ class ProcessGroups:
         g = {k: CommGroup(axis=k, ranks=[0], global_rank=0, pg=None, tracer=tracer)
              for k in (*GROUP_ATTRS, "world")}
         g["dp_cp"] = g["dp"]
+        g["tp_cp"] = g["tp"]
         return cls(topology=topo, rank=0, coords=topo.coords(0), device=device or torch.device("cpu"), **g)
 
     def all_groups(self) -> list[CommGroup]:
@@ -225,6 +235,12 @@ class ProcessGroups:
     @property
     def is_last_stage(self) -> bool:
         return self.coords.pp == self.topology.pp - 1
+
+    def expert_groups(self):
+        """The groups a mixture-of-experts layer needs (:class:`mlmkit.moe.ExpertGroups`)."""
+        from mlmkit.moe.layer import ExpertGroups
+
+        return ExpertGroups(ep=self.ep, expert_tp=self.expert_tp, tokens=self.tp_cp)
 
     def __repr__(self) -> str:
         c, t = self.coords, self.topology

@@ -56,11 +56,61 @@ def _buckets(sizes: list[int], bucket_bytes: int) -> list[int]:
     return out
 
 
+#: Columns of :func:`estimate_comm` (axes of the traced groups).
+AXES = ("tp", "cp", "tp-cp", "ep", "expert-tp", "pp", "dp", "expert-dp", "embedding", "world")
+
+
+def _grad_reduction(params, d: int, *, zero1: bool, R: int, E: int, bucket_bytes: int) -> int:
+    # the optimizer part's reduction over its d replicas (mlmkit.data_parallel.optimizer)
+    if d == 1 or not params:
+        return 0
+    if zero1:
+        n = sum(q.numel for q in params)
+        padded = -(-n // d) * d
+        return ring_wire_bytes("reduce_scatter", padded * R, d) + ring_wire_bytes("all_gather", padded * E, d)
+    sizes = [q.numel * R for q in reversed(params)]
+    return sum(ring_wire_bytes("all_reduce", n, d) for n in _buckets(sizes, bucket_bytes))
+
+
+def _moe_comm(model: GPTConfig, topology: Topology, *, s: int, b: int, m: int, E: int, G: int, sp: bool,
+              layers: int, full_recompute: bool) -> dict:
+    """A mixture of experts' bytes per rank and step, for evenly routed tokens (every expert gets the
+    same number of assignments: exact for ``moe_force_uniform``, the mean otherwise; no drops)."""
+    t, ep, et = topology.tp, topology.ep, topology.expert_tp
+    h, Ex, k = model.hidden, model.experts, model.top_k
+    local = Ex // ep
+    tokens = (s // t if sp else s) * b                  # this rank's tokens of a microbatch
+    assignments = tokens * k
+    runs = 2 if full_recompute else 1                   # forward passes per microbatch
+    out = {}
+    # ep: dispatch and combine all-to-alls forward and backward, (ep - 1)/ep of the rows leave; the
+    # expert counts (int64) are exchanged in every forward
+    a2a = (ep - 1) * (assignments // ep) * h * E
+    out["ep"] = m * layers * ((2 * runs + 2) * a2a + runs * (ep - 1) * local * 8) if ep > 1 else 0
+    # tp-cp: the routing statistics (2 E + 2 fp32) summed over the ranks that split the tokens
+    n_tok = t * topology.cp
+    out["tp-cp"] = m * layers * runs * ring_wire_bytes("all_reduce", (2 * Ex + 2) * 4, n_tok) if n_tok > 1 else 0
+    # expert-tp: per local expert its rows (ep * assignments / E on each member) gathered before fc1 and
+    # reduce-scattered after fc2, and back in backward; the padded row counts (int64) per forward
+    if et > 1:
+        rows = ep * assignments // Ex
+        full = et * rows * h * E
+        pair = ring_wire_bytes("all_gather", full, et) + ring_wire_bytes("reduce_scatter", full, et)
+        per_mb = local * (runs + 1) * pair + runs * ring_wire_bytes("all_reduce", local * 8, et)
+        out["expert-tp"] = m * layers * per_mb
+        if model.bias:   # each expert's fc2 bias gradient, once per step
+            out["expert-tp"] += layers * local * ring_wire_bytes("all_reduce", h * G, et)
+    else:
+        out["expert-tp"] = 0
+    return out
+
+
 def estimate_comm(model: GPTConfig, topology: Topology, *, micro_batch_size: int, microbatches: int,
                   chunks: int = 1, sequence_parallel: bool = False, zero1: bool = False, recompute=False,
                   bucket_bytes: int = 25 * 2**20, precision: str = "fp32", grad_reduce: str = "fp32",
                   layers_per_stage: Optional[Sequence[int]] = None, placement: str = "loop"):
-    """Wire bytes per rank (rows) and axis (columns: tp, cp, pp, dp, embedding, world) for one step.
+    """Wire bytes per rank (rows) and axis (columns: tp, cp, tp-cp, ep, expert-tp, pp, dp, expert-dp,
+    embedding, world) for one step.
     For a training run, :func:`estimate_train_comm` takes every option from its TrainConfig."""
     import pandas as pd
 
@@ -79,23 +129,28 @@ def estimate_comm(model: GPTConfig, topology: Topology, *, micro_batch_size: int
     rows = []
     for rank in range(topology.world_size):
         c = topology.coords(rank)
-        vol = {"tp": 0, "cp": 0, "pp": 0, "dp": 0, "embedding": 0, "world": 0}
+        vol = {axis: 0 for axis in AXES}
         stages = stage_layout(model, topology, pp_rank=c.pp, chunks=chunks, layers_per_stage=layers_per_stage,
                               placement=placement)
+        ep_rank = topology.expert_coords(rank).ep
         params = local_parameters(model, topology, pp_rank=c.pp, chunks=chunks, sequence_parallel=sequence_parallel,
+                                  ep_rank=ep_rank,
                                   layers_per_stage=layers_per_stage, placement=placement)
         if t > 1:
             per_mb = 0
+            # f/g pairs per layer: attention's and the MLP's (a mixture of experts has none, unless a
+            # shared expert, a dense tensor-parallel MLP, runs beside it)
+            pairs = 1 if (model.moe and not model.moe_shared_ffn_hidden) else 2
             for st in stages:
                 if sp:
-                    per_mb += len(st["layers"]) * 4 * (ring_wire_bytes("all_gather", act, t)
-                                                      + ring_wire_bytes("reduce_scatter", act, t))
+                    per_mb += len(st["layers"]) * 2 * pairs * (ring_wire_bytes("all_gather", act, t)
+                                                              + ring_wire_bytes("reduce_scatter", act, t))
                 else:
-                    per_mb += len(st["layers"]) * 4 * ring_wire_bytes("all_reduce", act, t)
+                    per_mb += len(st["layers"]) * 2 * pairs * ring_wire_bytes("all_reduce", act, t)
                 if full_recompute:  # each layer's forward runs again in backward, collectives included
-                    per_mb += len(st["layers"]) * 2 * (ring_wire_bytes("all_gather", act, t)
-                                                      + ring_wire_bytes("reduce_scatter", act, t)
-                                                      if sp else ring_wire_bytes("all_reduce", act, t))
+                    per_mb += len(st["layers"]) * pairs * (ring_wire_bytes("all_gather", act, t)
+                                                          + ring_wire_bytes("reduce_scatter", act, t)
+                                                          if sp else ring_wire_bytes("all_reduce", act, t))
                 if st["pre_process"]:  # forward reduction; with SP its backward all-gathers the gradient
                     per_mb += (ring_wire_bytes("reduce_scatter", act, t) + ring_wire_bytes("all_gather", act, t)
                                if sp else ring_wire_bytes("all_reduce", act, t))
@@ -126,21 +181,22 @@ def estimate_comm(model: GPTConfig, topology: Topology, *, micro_batch_size: int
                 for other in (vs + 1, vs - 1):
                     if 0 <= other <= last and stage_rank(other, stages=p, placement=placement)[0] != c.pp:
                         vol["pp"] += m * msg
-        if d > 1:
-            if zero1:
-                n = sum(q.numel for q in params)
-                padded = -(-n // d) * d
-                vol["dp"] = ring_wire_bytes("reduce_scatter", padded * R, d) + ring_wire_bytes("all_gather", padded * E, d)
-            else:
-                sizes = [q.numel * R for q in reversed(params)]
-                vol["dp"] = sum(ring_wire_bytes("all_reduce", n, d) for n in _buckets(sizes, bucket_bytes))
+        vol["dp"] = _grad_reduction([q for q in params if not q.expert], d, zero1=zero1, R=R, E=E,
+                                    bucket_bytes=bucket_bytes)
+        if model.moe:
+            layers = sum(len(st["layers"]) for st in stages)
+            vol["expert-dp"] = _grad_reduction([q for q in params if q.expert], topology.expert_dp, zero1=zero1, R=R,
+                                               E=E, bucket_bytes=bucket_bytes)
+            vol.update(_moe_comm(model, topology, s=s, b=b, m=m, E=E, G=G, sp=sp, layers=layers,
+                                 full_recompute=full_recompute))
         if p > 1 and model.tie_embeddings:
             vocab_bytes = model.padded_vocab(t) // t * h * G
             ends = sum(st["pre_process"] + st["post_process"] for st in stages)
             # one end here: summed with the other end's rank; both (a V): summed locally
             vol["embedding"] = ring_wire_bytes("all_reduce", vocab_bytes, 2) if ends == 1 else 0
-        if topology.world_size > 1:
-            vol["world"] = 2 * ring_wire_bytes("all_reduce", 8, topology.world_size)
+        if topology.world_size > 1:   # gradient norm and loss (and, with experts, their metrics: 16 bytes)
+            vol["world"] = (2 * ring_wire_bytes("all_reduce", 8, topology.world_size)
+                            + (ring_wire_bytes("all_reduce", 16, topology.world_size) if model.moe else 0))
         rows.append({"rank": rank, **vol})
     return pd.DataFrame(rows).set_index("rank")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 __all__ = ["compare_comm", "compare_memory", "measured_comm", "measured_memory"]
 
 MEMORY_KINDS = ("parameters", "gradients", "optimizer", "activations")
-AXES = ("tp", "cp", "pp", "dp", "embedding", "world")
+AXES = ("tp", "cp", "tp-cp", "ep", "expert-tp", "pp", "dp", "expert-dp", "embedding", "world")
 
 
 def measured_memory(memory):

@@ -59,7 +59,7 @@ from mlmkit.pipeline.schedule import make_schedule
 from mlmkit.topology import Topology
 
 __all__ = ["PRECISIONS", "Precision", "activation_bytes_per_layer", "bytes_per_parameter", "estimate_memory",
-           "estimate_train_memory", "weight_grad_bytes_per_layer"]
+           "estimate_train_memory", "moe_activation_bytes", "weight_grad_bytes_per_layer"]
 
 
 @dataclass(frozen=True)
@@ -110,9 +110,12 @@ def activation_bytes_per_layer(*, s: int, b: int, h: int, a: int, ffn: Optional[
                                sequence_parallel: bool = False, recompute: Union[bool, str] = False,
                                dropout: bool = True, precision="bf16", implementation: str = "megatron",
                                kv_heads: Optional[int] = None, mlp: str = "gelu", norm: str = "layernorm",
-                               rope: bool = False, attention: str = "eager") -> float:
+                               rope: bool = False, attention: str = "eager", moe: Optional[GPTConfig] = None,
+                               ep: int = 1, expert_tp: int = 1) -> float:
     """Bytes one Transformer layer keeps for backward, per microbatch (module docstring).
 
+    ``moe``: the model, when its MLP is a mixture of experts (``implementation="mlmkit"``; tokens
+    routed evenly, :func:`moe_activation_bytes`), over ``ep`` x ``expert_tp`` ranks.
     ``attention``: "eager" (the paper's accounting; the softmax scores are kept), "sdpa"
     (``implementation="mlmkit"`` only: flash kernels keep no ``s x s`` scores when there is no
     attention dropout) or "ring" (ring attention under context parallelism: like flash, plus its
@@ -142,7 +145,7 @@ def activation_bytes_per_layer(*, s: int, b: int, h: int, a: int, ffn: Optional[
 
     norm_bytes = E * seq + (2 * E * Tr if norm == "layernorm" else 4 * Tr)   # input + statistics
     total = 2 * norm_bytes                                                    # before attention and MLP
-    total += 2 * E * T * h                                                    # attention and MLP inputs (gathered)
+    total += (1 if moe is not None else 2) * E * T * h                        # attention and MLP inputs (gathered)
     # Query/key/value storages: what the attention (or the rotary rotation) keeps.
     if kv == a:
         total += E * T * 3 * a_l * d + (E * T * 2 * a_l * d if rope else 0)  # fused qkv; rotated q, k
@@ -163,9 +166,46 @@ def activation_bytes_per_layer(*, s: int, b: int, h: int, a: int, ffn: Optional[
                 total += 2 * E * scores                                       # keep mask, dropped probabilities
             elif E != 4:
                 total += E * scores                                           # the probabilities in bf16
-    total += E * T * (ffn / t) * (4 if mlp == "swiglu" else 2)                # up (gate, up), activation, product
+    if moe is None:
+        total += E * T * (ffn / t) * (4 if mlp == "swiglu" else 2)            # up (gate, up), activation, product
+    else:
+        total += moe_activation_bytes(moe, tokens=Tr, t=t, sp=sp, precision=pr, ep=ep, expert_tp=expert_tp)
     if dropout:
         total += 2 * E * seq                                                  # two residual dropouts' masks
+    return total
+
+
+def moe_activation_bytes(model: GPTConfig, *, tokens: float, t: int = 1, sp: bool = False, precision="bf16",
+                         ep: int = 1, expert_tp: int = 1) -> float:
+    """Bytes a mixture-of-experts MLP keeps for backward per microbatch, ``tokens`` being this rank's
+    tokens, routed evenly (every expert gets ``tokens * top_k / experts`` of each rank's assignments;
+    no drops): what :class:`mlmkit.moe.MoELayer` saves.
+
+    Router: its fp32 input, the softmax (or sigmoid) scores ``[T, E]``, the chosen indices (int64),
+    the weights and their sum when renormalised. Permutation: four int64 index vectors (two over the
+    assignments, two over the received rows). Experts: their input rows (gathered over expert-tp),
+    the MLP's internals (as a dense MLP of width ``moe_ffn / expert_tp``), the outputs and their
+    weighted copies. The shared expert is a dense MLP over all tokens."""
+    pr = _precision(precision)
+    E, T, h, k, Ex = pr.activation, tokens, model.hidden, model.top_k, model.experts
+    A = T * k                                        # assignments routed from this rank
+    R = A                                            # rows its experts receive (even routing)
+    et = expert_tp
+    total = 4 * T * h                                # router input in fp32 (the MLP input itself in fp32)
+    total += 4 * T * Ex + 8 * T * k                  # scores, chosen experts
+    if model.moe_renormalize:
+        total += 4 * T * k + 4 * T                   # weights and their sum
+    total += 8 * A * 2 + 8 * R * 2                   # sort orders and regrouping indices
+    rows_seen = R * et                               # rows of the expert-tp group, gathered
+    total += E * rows_seen * h                       # expert inputs
+    total += E * rows_seen * (model.moe_ffn / et) * (4 if model.mlp == "swiglu" else 2)
+    total += (4 if E == 4 else 2) * A                # each assignment's weight, in the output dtype
+    total += 2 * E * A * h                           # expert outputs and their weighted copies
+    if model.moe_shared_ffn_hidden:
+        Tg = T * t if sp else T                      # gathered over tp with sequence parallelism
+        if E != 4 or sp:
+            total += E * Tg * h                      # the shared expert's input (fp32: the router's)
+        total += E * Tg * (model.moe_shared_ffn_hidden / t) * (4 if model.mlp == "swiglu" else 2)
     return total
 
 
@@ -216,7 +256,7 @@ def _stage_weight_extra(model: GPTConfig, *, s: int, b: int, t: int, post: bool,
 
 
 def _stage_extra(model: GPTConfig, *, s: int, b: int, t: int, sp: bool, pre: bool, post: bool, layers: int,
-                 pr: Precision, cp: int = 1) -> float:
+                 pr: Precision, cp: int = 1, recompute: str = "none") -> float:
     # mlmkit's first/last-stage activations outside the layers (see module docstring); s: this
     # rank's tokens (s / cp).
     E, h = pr.activation, model.hidden
@@ -227,8 +267,9 @@ def _stage_extra(model: GPTConfig, *, s: int, b: int, t: int, sp: bool, pre: boo
             extra += 8 * s                                   # the held positions, indexing the position table
         if model.dropout:
             extra += E * (s * b * h / t if sp else s * b * h)     # embedding dropout's mask
-    if model.position == "rope" and layers:
-        extra += 2 * 4 * s * model.head_dim                  # cos and sin tables (fp32), shared by the layers
+    if model.position == "rope" and layers and recompute != "full":
+        # cos and sin tables (fp32), shared by the layers (full recomputation keeps only layer inputs)
+        extra += 2 * 4 * s * model.head_dim
     if post:
         tokens = s * b / t if sp else s * b
         extra += E * tokens * h + (2 * E * tokens if model.norm == "layernorm" else 4 * tokens)  # final norm
@@ -265,17 +306,21 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
     for rank in range(topology.world_size):
         c = topology.coords(rank)
         params = local_parameters(model, topology, pp_rank=c.pp, chunks=chunks, sequence_parallel=sequence_parallel,
-                                  layers_per_stage=layers_per_stage, placement=placement)
+                                  layers_per_stage=layers_per_stage, placement=placement,
+                                  ep_rank=topology.expert_coords(rank).ep)
         n = sum(p.numel for p in params)
-        if zero1:
-            shard = -(-n // (topology.dp * cp))          # sharded over the dp x cp replicas
+        if zero1:   # dense parameters sharded over the dp x cp replicas, experts over their expert-dp replicas
+            dense = sum(p.numel for p in params if not p.expert)
+            shard = -(-dense // (topology.dp * cp)) + (-(-(n - dense) // topology.expert_dp) if n > dense else 0)
             optimizer = shard * (2 * pr.state + (pr.master or pr.param))
         else:
             optimizer = n * (2 * pr.state + pr.master)
         layer = activation_bytes_per_layer(
             s=s, b=b, h=model.hidden, a=model.heads, ffn=model.ffn, t=t, sequence_parallel=sp, recompute=recompute,
             dropout=model.dropout > 0, precision=pr, implementation=implementation, kv_heads=model.num_kv_heads,
-            mlp=model.mlp, norm=model.norm, rope=model.position == "rope", attention=attention)
+            mlp=model.mlp, norm=model.norm, rope=model.position == "rope", attention=attention,
+            moe=model if (model.moe and implementation == "mlmkit") else None, ep=topology.ep,
+            expert_tp=topology.expert_tp)
         held_for_w = weight_grad_bytes_per_layer(
             s=s, b=b, h=model.hidden, a=model.heads, ffn=model.ffn, t=t, sequence_parallel=sp, precision=pr,
             kv_heads=model.num_kv_heads, mlp=model.mlp, gate_up_fused=model.gate_up_fused)
@@ -283,7 +328,8 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
         for st in stage_layout(model, topology, pp_rank=c.pp, chunks=chunks, layers_per_stage=layers_per_stage,
                                placement=placement):
             extra = _stage_extra(model, s=s, b=b, t=t, sp=sp, pre=st["pre_process"], post=st["post_process"],
-                                 layers=len(st["layers"]), pr=pr, cp=cp) if implementation == "mlmkit" else 0.0
+                                 layers=len(st["layers"]), pr=pr, cp=cp,
+                                 recompute=_recompute(recompute)) if implementation == "mlmkit" else 0.0
             per_chunk.append(len(st["layers"]) * layer + extra)
             # Split backward: from B to W a microbatch keeps every linear's input and output gradient.
             per_chunk_w.append(len(st["layers"]) * held_for_w + _stage_weight_extra(

@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 from mlmkit.model.config import GPTConfig
 from mlmkit.topology import Topology
 
-__all__ = ["LocalParam", "local_parameters", "stage_layout", "total_parameters"]
+__all__ = ["LocalParam", "local_parameters", "moe_parameter_counts", "stage_layout", "total_parameters"]
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,7 @@ class LocalParam:
     sequence_parallel: bool = False
     shared_embedding: bool = False
     replicas: int = 1          # TP ranks holding this same shard (key/value heads when tp > kv_heads)
+    expert: bool = False       # an expert's parameter: split over expert-tp, reduced over expert-dp
 
 
 def _split_layers(num_layers: int, stages: int, layers_per_stage: Optional[Sequence[int]] = None) -> list[tuple[int, ...]]:
@@ -52,9 +53,10 @@ def stage_layout(model: GPTConfig, topology: Topology, *, pp_rank: int, chunks: 
 
 def local_parameters(model: GPTConfig, topology: Topology, *, pp_rank: int, chunks: int = 1,
                      sequence_parallel: bool = False, layers_per_stage: Optional[Sequence[int]] = None,
-                     only_chunk: Optional[int] = None, placement: str = "loop") -> list[LocalParam]:
-    """The parameters one rank (any TP rank of pipeline rank ``pp_rank``) holds, in registration order
-    (per chunk: the module's own parameters, then the embedding, the layers, the final norm)."""
+                     only_chunk: Optional[int] = None, placement: str = "loop", ep_rank: int = 0) -> list[LocalParam]:
+    """The parameters one rank (any TP rank of pipeline rank ``pp_rank``; expert-parallel rank
+    ``ep_rank``) holds, in registration order (per chunk: the module's own parameters, then the
+    embedding, the layers, the final norm; a mixture of experts: router, local experts, shared expert)."""
     t, h, ffn, sp, d = topology.tp, model.hidden, model.ffn, sequence_parallel, model.head_dim
     vocab = model.padded_vocab(t)
     bias = model.bias
@@ -101,16 +103,55 @@ def local_parameters(model: GPTConfig, topology: Topology, *, pp_rank: int, chun
                 out += column(f"{pre}.attn.qkv", 3 * h)
             out += row(f"{pre}.attn.proj", h)
             out += norm(f"{pre}.ln2")
-            if model.mlp == "gelu":
-                out += column(f"{pre}.mlp.fc1", ffn)
-            elif model.gate_up_fused:
-                out += column(f"{pre}.mlp.fc1", 2 * ffn)
+            if model.moe:
+                out += _moe_parameters(model, topology, pre=f"{pre}.mlp", ep_rank=ep_rank, sp=sp)
+                if model.moe_shared_ffn_hidden:
+                    out += _mlp(column, row, model, f"{pre}.mlp.shared", model.moe_shared_ffn_hidden)
             else:
-                out += column(f"{pre}.mlp.gate", ffn) + column(f"{pre}.mlp.up", ffn)
-            out += row(f"{pre}.mlp.fc2", ffn)
+                out += _mlp(column, row, model, f"{pre}.mlp", ffn)
         if post_p:
             out += norm("final_ln")
     return out
+
+
+def _mlp(column, row, model: GPTConfig, name: str, ffn: int) -> list[LocalParam]:
+    if model.mlp == "gelu":
+        out = column(f"{name}.fc1", ffn)
+    elif model.gate_up_fused:
+        out = column(f"{name}.fc1", 2 * ffn)
+    else:
+        out = column(f"{name}.gate", ffn) + column(f"{name}.up", ffn)
+    return out + row(f"{name}.fc2", ffn)
+
+
+def _moe_parameters(model: GPTConfig, topology: Topology, *, pre: str, ep_rank: int, sp: bool) -> list[LocalParam]:
+    # router (dense, replicated; summed over tp with SP), then this ep rank's experts split over expert-tp
+    h, E, f, et = model.hidden, model.experts, model.moe_ffn, topology.expert_tp
+    out = [LocalParam(f"{pre}.router.weight", E * h, None, sp)]
+    rows = 2 * f if model.mlp == "swiglu" else f
+    local = E // topology.ep
+    for e in range(ep_rank * local, (ep_rank + 1) * local):
+        name = f"{pre}.experts.{e}"
+        out.append(LocalParam(f"{name}.fc1.weight", rows // et * h, 0, expert=True))
+        if model.bias:
+            out.append(LocalParam(f"{name}.fc1.bias", rows // et, 0, expert=True))
+        out.append(LocalParam(f"{name}.fc2.weight", h * (f // et), 1, expert=True))
+        if model.bias:
+            out.append(LocalParam(f"{name}.fc2.bias", h, None, expert=True))
+    return out
+
+
+def moe_parameter_counts(model: GPTConfig) -> dict:
+    """Parameters of the whole model: ``total``, ``active`` per token (top_k of the experts of each
+    layer, everything else), ``experts`` (all expert weights) and ``dense`` (the rest)."""
+    total = total_parameters(model)
+    if not model.moe:
+        return {"total": total, "active": total, "experts": 0, "dense": total}
+    per_expert = sum(q.numel for q in _moe_parameters(model, Topology(), pre="x", ep_rank=0, sp=False)
+                     if q.expert) // model.experts
+    experts = per_expert * model.experts * model.layers
+    return {"total": total, "active": total - experts + per_expert * model.top_k * model.layers,
+            "experts": experts, "dense": total - experts}
 
 
 def total_parameters(model: GPTConfig) -> int:

@@ -6,7 +6,8 @@
 - attention: :class:`ParallelAttention`, multi-head or grouped-query (Ainslie et al. 2023), heads
   split over tensor-parallel ranks, the core through ``scaled_dot_product_attention`` or the
   explicit softmax, or ring attention over a context-parallel group;
-- MLP: :class:`ParallelMLP`, GELU (GPT-2) or SwiGLU (Shazeer 2020; Llama);
+- MLP: :class:`ParallelMLP`, GELU (GPT-2) or SwiGLU (Shazeer 2020; Llama), or a mixture of
+  experts (:class:`mlmkit.moe.MoELayer`) when ``config.experts > 0``;
 - :class:`TransformerLayer`: pre-norm residual block, with full or selective activation
   recomputation (Korthikanti et al. 2022).
 
@@ -162,10 +163,12 @@ def recomputed(fn: Callable, rng: TPRandomState, *inputs: torch.Tensor) -> torch
         if calls:  # recomputation during backward
             now = rng.get_state()
             rng.set_state(state)
+            rng.recomputing = True        # layers that record statistics skip the rerun
             try:
                 return fn(*args)
             finally:
                 rng.set_state(now)
+                rng.recomputing = False
         calls.append(1)
         return fn(*args)
 
@@ -286,25 +289,28 @@ class ParallelMLP(nn.Module):
     so each rank holds the matching ``ffn/t`` rows of both and needs no communication."""
 
     def __init__(self, config: GPTConfig, *, layer: int, tp: CommGroup, sequence_parallel: bool,
-                 rng: TPRandomState, device=None, wgrad=None):
+                 rng: TPRandomState, device=None, wgrad=None, ffn: Optional[int] = None, name: Optional[str] = None,
+                 dropout: bool = True):
         super().__init__()
-        h, name = config.hidden, f"layers.{layer}.mlp"
-        self.dropout_p, self.rng, self.sp, self.kind = config.dropout, rng, sequence_parallel, config.mlp
+        h, name = config.hidden, name or f"layers.{layer}.mlp"
+        ffn = ffn or config.ffn
+        self.dropout_p = config.dropout if dropout else 0.0
+        self.rng, self.sp, self.kind = rng, sequence_parallel, config.mlp
         self.fused = config.gate_up_fused
         out_std = config.init_std / math.sqrt(2 * config.layers)
         kw = dict(tp=tp, sequence_parallel=sequence_parallel, bias=config.bias, device=device, wgrad=wgrad)
         init = lambda part: seeded_normal(config.seed, f"{name}.{part}.weight", config.init_std)  # noqa: E731
         if config.mlp == "gelu":
-            self.fc1 = ColumnParallelLinear(h, config.ffn, site=f"{name}.fc1", init=init("fc1"), **kw)
+            self.fc1 = ColumnParallelLinear(h, ffn, site=f"{name}.fc1", init=init("fc1"), **kw)
         elif self.fused:   # [gate; up], each half split over tp
             gate, up = init("gate"), init("up")
-            self.fc1 = ColumnParallelLinear(h, 2 * config.ffn, site=f"{name}.fc1", partitions=2,
+            self.fc1 = ColumnParallelLinear(h, 2 * ffn, site=f"{name}.fc1", partitions=2,
                                             init=lambda shape: torch.cat([gate((shape[0] // 2, shape[1])),
                                                                           up((shape[0] // 2, shape[1]))]), **kw)
         else:
-            self.gate = ColumnParallelLinear(h, config.ffn, site=f"{name}.gate", init=init("gate"), **kw)
-            self.up = ColumnParallelLinear(h, config.ffn, site=f"{name}.up", init=init("up"), **kw)
-        self.fc2 = RowParallelLinear(config.ffn, h, tp=tp, sequence_parallel=sequence_parallel, site=f"{name}.fc2",
+            self.gate = ColumnParallelLinear(h, ffn, site=f"{name}.gate", init=init("gate"), **kw)
+            self.up = ColumnParallelLinear(h, ffn, site=f"{name}.up", init=init("up"), **kw)
+        self.fc2 = RowParallelLinear(ffn, h, tp=tp, sequence_parallel=sequence_parallel, site=f"{name}.fc2",
                                      bias=config.bias, device=device, wgrad=wgrad,
                                      init=seeded_normal(config.seed, f"{name}.fc2.weight", out_std))
 
@@ -332,7 +338,7 @@ class TransformerLayer(nn.Module):
 
     def __init__(self, config: GPTConfig, *, layer: int, tp: CommGroup, sequence_parallel: bool,
                  rng: TPRandomState, recompute: str = "none", device=None, wgrad=None,
-                 cp: Optional[CommGroup] = None, cp_split: str = "balanced"):
+                 cp: Optional[CommGroup] = None, cp_split: str = "balanced", experts=None):
         super().__init__()
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute={recompute!r}: expected one of {', '.join(RECOMPUTE)}")
@@ -342,8 +348,14 @@ class TransformerLayer(nn.Module):
                                       rng=rng, recompute=recompute, device=device, wgrad=wgrad, cp=cp,
                                       cp_split=cp_split)
         self.ln2 = make_norm(config, sequence_parallel=sequence_parallel, device=device)
-        self.mlp = ParallelMLP(config, layer=layer, tp=tp, sequence_parallel=sequence_parallel, rng=rng,
-                               device=device, wgrad=wgrad)
+        if config.moe:
+            from mlmkit.moe.layer import MoELayer
+
+            self.mlp = MoELayer(config, layer=layer, tp=tp, sequence_parallel=sequence_parallel, groups=experts,
+                                rng=rng, device=device, wgrad=wgrad)
+        else:
+            self.mlp = ParallelMLP(config, layer=layer, tp=tp, sequence_parallel=sequence_parallel, rng=rng,
+                                   device=device, wgrad=wgrad)
 
     def _forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
         x = x + self.attn(self.ln1(x), rotary)

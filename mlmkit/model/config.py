@@ -12,12 +12,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
-__all__ = ["ATTENTIONS", "MLPS", "NORMS", "POSITIONS", "GPTConfig", "llama_config", "reject_unknown_keys", "tiny_config"]
+__all__ = ["ATTENTIONS", "MLPS", "NORMS", "POSITIONS", "ROUTERS", "DROP_POLICIES", "GPTConfig", "llama_config", "moe_config",
+           "reject_unknown_keys", "tiny_config"]
 
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
 POSITIONS = ("learned", "rope")
 ATTENTIONS = ("sdpa", "eager")
+ROUTERS = ("softmax", "sigmoid")
+DROP_POLICIES = ("probs", "position")
 
 
 def reject_unknown_keys(cls, data: dict) -> None:
@@ -94,6 +97,39 @@ class GPTConfig:
     is 128 (GPU-friendly shapes); 1 keeps shard tables of tiny teaching models readable."""
     layernorm_eps: float = 1e-5
     """Epsilon of the normalisation layers (LayerNorm or RMSNorm)."""
+    # ------------------------------------------------------------------ mixture of experts
+    experts: int = 0
+    """Experts per MoE layer; 0: every layer has the dense MLP. With experts, every layer's MLP is a
+    mixture of experts (:mod:`mlmkit.moe`): a router sends each token to ``top_k`` of them."""
+    top_k: int = 2
+    """Experts each token is sent to."""
+    moe_router: str = "softmax"
+    """Router scores: ``"softmax"`` over the experts (Switch, GShard, Mixtral) or ``"sigmoid"`` per
+    expert (DeepSeek-V3)."""
+    moe_renormalize: bool = True
+    """Weights of a token's top-k experts rescaled to sum to 1 (Mixtral, DeepSeek-V3); ``False``
+    keeps the raw scores (Switch; needed with ``top_k=1``, where renormalising gives weight 1 and the
+    router no gradient from the language-model loss)."""
+    moe_ffn_hidden: Optional[int] = None
+    """Inner width of each expert MLP (``None``: ``ffn_hidden``). Experts use the ``mlp`` kind."""
+    moe_shared_ffn_hidden: int = 0
+    """Inner width of a shared expert every token also goes through (DeepSeek); 0: none."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing loss of Switch / GShard: ``E * sum_e f_e P_e`` per layer and
+    microbatch (``f_e``: share of routed tokens, ``P_e``: mean router probability)."""
+    moe_z_loss_coeff: float = 0.0
+    """Weight of the router z-loss (ST-MoE): the mean squared log-sum-exp of the router logits."""
+    moe_capacity_factor: Optional[float] = None
+    """``None``: dropless (every token reaches its experts, Megatron-Core's default). Else each rank
+    lets each expert take at most ``ceil(capacity_factor * tokens * top_k / experts)`` of its
+    tokens; the rest are dropped (counted) and pass through the residual only."""
+    moe_drop_policy: str = "probs"
+    """With a capacity: which tokens an over-full expert keeps, the highest router weights
+    (``"probs"``) or the first in sequence order (``"position"``)."""
+    moe_force_uniform: bool = False
+    """Route token ``t``'s ``j``-th choice to expert ``(t * top_k + j) mod experts`` whatever the
+    router says (weights still come from the router): exactly even load, for tests and for
+    checking the estimator (like Megatron-LM's ``--moe-router-force-load-balancing``)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "hidden", "heads", "layers", "make_vocab_size_divisible_by"):
@@ -125,6 +161,48 @@ class GPTConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"GPTConfig: {name}={v!r} must be a number > 0")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if isinstance(self.experts, bool) or not isinstance(self.experts, int) or self.experts < 0:
+            raise ValueError(f"GPTConfig: experts={self.experts!r} must be an integer >= 0 (0: dense MLP)")
+        _positive_int("top_k", self.top_k)
+        _choice("moe_router", self.moe_router, ROUTERS)
+        _choice("moe_drop_policy", self.moe_drop_policy, DROP_POLICIES)
+        for name in ("moe_renormalize", "moe_force_uniform"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"GPTConfig: {name}={getattr(self, name)!r} must be true or false (a bool)")
+        if self.moe_ffn_hidden is not None:
+            _positive_int("moe_ffn_hidden", self.moe_ffn_hidden)
+        if isinstance(self.moe_shared_ffn_hidden, bool) or not isinstance(self.moe_shared_ffn_hidden, int) \
+                or self.moe_shared_ffn_hidden < 0:
+            raise ValueError(f"GPTConfig: moe_shared_ffn_hidden={self.moe_shared_ffn_hidden!r} must be an integer "
+                             f">= 0 (0: no shared expert)")
+        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise ValueError(f"GPTConfig: {name}={v!r} must be a number >= 0")
+        cf = self.moe_capacity_factor
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf > 0):
+            raise ValueError(f"GPTConfig: moe_capacity_factor={cf!r} must be a number > 0, or None (dropless)")
+        if not self.experts:
+            return
+        if self.top_k > self.experts:
+            raise ValueError(f"GPTConfig: top_k={self.top_k} is more than experts={self.experts}; a token goes "
+                             f"to top_k different experts")
+        if self.top_k == 1 and self.moe_renormalize:
+            raise ValueError("GPTConfig: top_k=1 with moe_renormalize=True gives every token weight 1 and the "
+                             "router no gradient from the loss; set moe_renormalize=False (Switch Transformer)")
+
+    @property
+    def moe(self) -> bool:
+        """Whether the MLPs are mixtures of experts."""
+        return self.experts > 0
+
+    @property
+    def moe_ffn(self) -> int:
+        """Inner width of one expert."""
+        return self.moe_ffn_hidden if self.moe_ffn_hidden is not None else self.ffn
 
     @property
     def ffn(self) -> int:
@@ -155,9 +233,26 @@ class GPTConfig:
         return -(-self.vocab_size // multiple) * multiple
 
     def check_parallel(self, *, tp: int = 1, pp: int = 1, chunks: int = 1,
-                       sequence_parallel: bool = False, cp: int = 1, cp_split: str = "balanced") -> None:
-        """Raise ValueError if this model cannot be split ``tp`` ways, into ``pp * chunks`` stages and
-        its sequence over ``cp`` ranks."""
+                       sequence_parallel: bool = False, cp: int = 1, cp_split: str = "balanced",
+                       ep: int = 1, expert_tp: int = 1) -> None:
+        """Raise ValueError if this model cannot be split ``tp`` ways, into ``pp * chunks`` stages, its
+        sequence over ``cp`` ranks and its experts over ``ep`` ranks (``expert_tp`` ways each)."""
+        if (ep > 1 or expert_tp > 1) and not self.moe:
+            raise ValueError(f"ep={ep}, expert_tp={expert_tp}: the model has no experts (experts=0); set "
+                             f"GPTConfig(experts=...) or ep=1, expert_tp=1")
+        if self.moe:
+            if self.experts % ep:
+                raise ValueError(f"experts={self.experts} is not divisible by ep={ep}: expert parallelism gives "
+                                 f"each ep rank experts/ep whole experts; pick ep among the divisors of "
+                                 f"{self.experts}")
+            for name, width in (("moe_ffn_hidden", self.moe_ffn), ("hidden", self.hidden)):
+                if width % expert_tp:
+                    raise ValueError(f"{name}={width} is not divisible by expert_tp={expert_tp}")
+            if tp > 1 and not sequence_parallel:
+                raise ValueError(f"mixture of experts with tp={tp} needs sequence_parallel=True (as in "
+                                 f"Megatron-LM): each tensor-parallel rank routes its own share of the tokens")
+            if self.moe_shared_ffn_hidden % tp:
+                raise ValueError(f"moe_shared_ffn_hidden={self.moe_shared_ffn_hidden} is not divisible by tp={tp}")
         for name, value in (("hidden", self.hidden), ("heads", self.heads), ("ffn_hidden", self.ffn)):
             if value % tp:
                 raise ValueError(
@@ -200,6 +295,15 @@ class GPTConfig:
 def tiny_config(**overrides) -> GPTConfig:
     """The teaching model of the tests and notebooks: 2 layers, hidden 64, 4 heads, vocab 101, seq 16."""
     base = dict(vocab_size=101, seq_len=16, hidden=64, heads=4, layers=2)
+    base.update(overrides)
+    return GPTConfig(**base)
+
+
+def moe_config(**overrides) -> GPTConfig:
+    """A tiny mixture-of-experts model: Llama-style blocks, 4 SwiGLU experts, top-2 (Mixtral-like)."""
+    base = dict(vocab_size=256, seq_len=32, hidden=64, heads=4, kv_heads=2, layers=2, ffn_hidden=128,
+                norm="rmsnorm", mlp="swiglu", position="rope", bias=False, tie_embeddings=False,
+                experts=4, top_k=2)
     base.update(overrides)
     return GPTConfig(**base)
 

@@ -124,6 +124,9 @@ class GPT(nn.Module):
             fp32 and cast).
         split_backward: give the linear layers a :class:`~mlmkit.tensor_parallel.WeightGradStore`
             (``self.wgrad``) so a zero-bubble schedule's B can defer their weight gradients to W.
+        cp, cp_split: the context-parallel group and how sequences are divided over it.
+        experts: the expert-parallel groups (:class:`mlmkit.moe.ExpertGroups`) of a mixture-of-experts
+            model (``None``: every expert on this rank).
 
     forward(x, targets=None):
         first stage: ``x`` are token ids ``[b, s]``; other stages: hidden states ``[s, b, h]``
@@ -135,14 +138,22 @@ class GPT(nn.Module):
 
     def __init__(self, config: GPTConfig, *, tp: Optional[CommGroup] = None, stage: Optional[Stage] = None,
                  sequence_parallel: bool = False, recompute: Union[bool, str] = False, device=None, dtype=None,
-                 split_backward: bool = False, cp: Optional[CommGroup] = None, cp_split: str = "balanced"):
+                 split_backward: bool = False, cp: Optional[CommGroup] = None, cp_split: str = "balanced",
+                 experts=None):
         super().__init__()
         recompute = recompute_mode(recompute)
         self.wgrad = WeightGradStore() if split_backward else None
         tp = tp or _single_group()
         cp = cp or CommGroup.single("cp")
         stage = stage or Stage.whole(config)
-        config.check_parallel(tp=tp.size, sequence_parallel=sequence_parallel, cp=cp.size, cp_split=cp_split)
+        if experts is None and config.moe:
+            from mlmkit.moe.layer import ExpertGroups
+
+            experts = ExpertGroups.single()
+        ep, etp = (experts.ep.size, experts.expert_tp.size) if experts is not None else (1, 1)
+        config.check_parallel(tp=tp.size, sequence_parallel=sequence_parallel, cp=cp.size, cp_split=cp_split,
+                              ep=ep, expert_tp=etp)
+        self.experts_groups = experts
         self.config, self.tp, self.stage, self.sequence_parallel = config, tp, stage, sequence_parallel
         self.cp, self.cp_split = cp, cp_split
         self.rng = TPRandomState(seed=config.seed, tp_rank=tp.rank, pp_rank=stage.pp_rank, device=device)
@@ -160,7 +171,8 @@ class GPT(nn.Module):
                                                global_shape=(config.seq_len, h), sequence_parallel=sp)
         self.layers = nn.ModuleDict({
             str(i): TransformerLayer(config, layer=i, tp=tp, sequence_parallel=sp, rng=self.rng,
-                                     recompute=recompute, device=device, wgrad=self.wgrad, cp=cp, cp_split=cp_split)
+                                     recompute=recompute, device=device, wgrad=self.wgrad, cp=cp, cp_split=cp_split,
+                                     experts=experts)
             for i in stage.layers
         })
         if stage.post_process:
@@ -307,3 +319,10 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     if t.shape[0] == rows:
         return t
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+def moe_layers(model: nn.Module) -> list:
+    """The mixture-of-experts layers of ``model`` (empty for a dense model)."""
+    from mlmkit.moe.layer import MoELayer
+
+    return [m for m in model.modules() if isinstance(m, MoELayer)]

@@ -59,14 +59,14 @@ def _tp_group(model: nn.Module) -> Optional[CommGroup]:
 def gather_full(model: nn.Module, *, grads: bool = False) -> dict[str, torch.Tensor]:
     """Every parameter (or its gradient) gathered over the TP group to its full shape.
 
-    Collective over the model's TP group. Vocabulary padding rows are dropped, so the result has the
+    Collective over the model's TP group (an expert's parameters: over its expert-tp group). Vocabulary padding rows are dropped, so the result has the
     same shapes whatever the TP degree (compare it with the serial model's ``named_parameters``).
     """
     from mlmkit.tensor_parallel.layers import param_grad, unshard
 
-    tp = _tp_group(model) or CommGroup.single("tp")
+    default = _tp_group(model) or CommGroup.single("tp")
     out = {}
-    for name, p in model.named_parameters():
+    for name, p, tp in _params_with_groups(model, default):
         t = param_grad(p) if grads else p.detach()
         if t is None:
             t = torch.zeros_like(p)
@@ -81,3 +81,14 @@ def gather_full(model: nn.Module, *, grads: bool = False) -> dict[str, torch.Ten
             t = t[:rows]
         out[name] = t.clone()
     return out
+
+
+def _params_with_groups(module: nn.Module, group: CommGroup, prefix: str = ""):
+    # (name, parameter, the tensor-parallel group it is split over): the nearest module's own ``tp``
+    # (an expert's linear layers are split over the expert-tp group, not the model's tp).
+    own = getattr(module, "tp", None)
+    group = own if isinstance(own, CommGroup) else group
+    for name, p in module.named_parameters(recurse=False):
+        yield prefix + name, p, group
+    for child_name, child in module.named_children():
+        yield from _params_with_groups(child, group, prefix + child_name + ".")

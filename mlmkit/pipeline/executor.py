@@ -64,6 +64,7 @@ from mlmkit.model import GPT, GPTConfig, Stage, split_layers
 from mlmkit.pipeline.batching import BatchPlan, Step, plan_batches
 from mlmkit.pipeline.schedule import COMPUTE, Action, Schedule, ScheduleError
 from mlmkit.pipeline.validate import validate
+from mlmkit.model.gpt import moe_layers
 from mlmkit.tensor_parallel import param_grad, sync_replicated_grads, sync_sequence_parallel_grads
 
 __all__ = ["PipelineExecutor", "StepState", "build_model_chunks", "sync_embedding_grads"]
@@ -83,7 +84,7 @@ def build_model_chunks(config: GPTConfig, *, groups: ProcessGroups, chunks: int 
     """
     p, r = groups.topology.pp, groups.coords.pp
     config.check_parallel(tp=groups.tp.size, pp=p, chunks=chunks, sequence_parallel=sequence_parallel,
-                          cp=groups.cp.size, cp_split=cp_split)
+                          cp=groups.cp.size, cp_split=cp_split, ep=groups.ep.size, expert_tp=groups.expert_tp.size)
     layout = split_layers(config.layers, p * chunks, layers_per_stage)
     if placement == "v" and chunks != 2:
         raise ValueError(f"a V placement holds exactly 2 chunks per rank, not chunks={chunks}")
@@ -93,9 +94,20 @@ def build_model_chunks(config: GPTConfig, *, groups: ProcessGroups, chunks: int 
         stage = Stage(layers=layout[vs], pre_process=vs == 0, post_process=vs == p * chunks - 1,
                       index=vs, pp_rank=r)
         out.append(GPT(config, tp=groups.tp, cp=groups.cp, cp_split=cp_split, stage=stage,
+                       experts=groups.expert_groups() if config.moe else None,
                        sequence_parallel=sequence_parallel,
                        recompute=recompute, device=groups.device, dtype=dtype, split_backward=split_backward))
     return out
+
+
+def sync_expert_tp_grads(model, expert_tp: CommGroup) -> None:
+    """Sum over the expert-tp group the gradients of expert parameters every member holds whole
+    (an expert's ``fc2`` bias: each member adds it to its own tokens)."""
+    if expert_tp.size == 1:
+        return
+    for p in model.parameters():
+        if getattr(p, "expert_tp_sum", False) and param_grad(p) is not None:
+            expert_tp.all_reduce(param_grad(p), site="expert_tp_grads", phase="backward")
 
 
 def sync_embedding_grads(chunks: Sequence[GPT], embedding: Optional[CommGroup]) -> None:
@@ -232,6 +244,12 @@ class PipelineExecutor:
         if loss_scale is None:
             loss_scale = self.groups.cp.size / max(1, int((targets != self.ignore_index).sum()))
         self._loss_scale = float(loss_scale)
+        # Mixture of experts: each microbatch's auxiliary losses count 1/m, times cp since the dp-cp
+        # gradient average divides by cp what the cp ranks' parts sum to (mlmkit.moe.layer).
+        for model in self.chunks:
+            for layer in moe_layers(model):
+                layer.aux_scale = self.groups.cp.size / m
+                layer.history.clear()
         self._reset()
         self.index = 0
         self._step_pos = 0
@@ -533,4 +551,5 @@ class PipelineExecutor:
         for model in self.chunks:
             sync_sequence_parallel_grads(model, self.groups.tp)
             sync_replicated_grads(model, self.groups.tp)
+            sync_expert_tp_grads(model, self.groups.expert_tp)
         sync_embedding_grads(self.chunks, self.groups.embedding)

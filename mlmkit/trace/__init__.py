@@ -8,6 +8,6 @@ step runs (cheap enough to leave on) and become pandas DataFrames only when aske
 - :mod:`mlmkit.trace.export`: merge per-rank traces, write a Chrome trace for Perfetto.
 """
 
-from mlmkit.trace.tracer import COMM_COLUMNS, EVENT_COLUMNS, RING_COLUMNS, Tracer, ring_wire_bytes
+from mlmkit.trace.tracer import COMM_COLUMNS, EVENT_COLUMNS, MOE_COLUMNS, RING_COLUMNS, Tracer, ring_wire_bytes
 
-__all__ = ["COMM_COLUMNS", "EVENT_COLUMNS", "RING_COLUMNS", "Tracer", "ring_wire_bytes"]
+__all__ = ["COMM_COLUMNS", "EVENT_COLUMNS", "MOE_COLUMNS", "RING_COLUMNS", "Tracer", "ring_wire_bytes"]

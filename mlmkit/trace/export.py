@@ -9,7 +9,7 @@ __all__ = ["merge_traces", "to_chrome_trace"]
 
 
 def merge_traces(per_rank: Iterable[dict]) -> dict:
-    """Concatenate each kind of frame (``events``, ``comm``, ``memory``, ``ring``) over ranks.
+    """Concatenate each kind of frame (``events``, ``comm``, ``memory``, ``ring``, ``moe``) over ranks.
 
     Times stay in seconds of ``time.perf_counter`` (CLOCK_MONOTONIC, shared by the processes of
     one machine); ``t0`` is the earliest start, for plotting from zero.
@@ -18,7 +18,7 @@ def merge_traces(per_rank: Iterable[dict]) -> dict:
 
     per_rank = list(per_rank)
     out = {}
-    for kind in ("events", "comm", "memory", "ring"):
+    for kind in ("events", "comm", "memory", "ring", "moe"):
         if per_rank and kind not in per_rank[0]:
             continue
         frames = [d[kind] for d in per_rank if kind in d and len(d[kind])]

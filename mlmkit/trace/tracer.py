@@ -6,7 +6,7 @@ import contextlib
 import time
 from typing import Callable
 
-__all__ = ["COMM_COLUMNS", "EVENT_COLUMNS", "RING_COLUMNS", "Tracer", "ring_wire_bytes"]
+__all__ = ["COMM_COLUMNS", "EVENT_COLUMNS", "MOE_COLUMNS", "RING_COLUMNS", "Tracer", "ring_wire_bytes"]
 
 #: Columns of :meth:`Tracer.comm_frame`. ``bytes`` is the size of the logical tensor the operation
 #: is about (the all-reduced tensor, the gathered output, the reduce-scattered input, the message);
@@ -20,6 +20,11 @@ EVENT_COLUMNS = ("rank", "action", "microbatch", "chunk", "start", "end")
 #: the layer's site, forward or backward, the step, the cp rank whose keys/values were used
 #: (``src``, an index in the cp group), the (query, key) pairs computed, and the compute time.
 RING_COLUMNS = ("rank", "site", "phase", "step", "src", "pairs", "start", "end")
+#: Columns of :meth:`Tracer.moe_frame`: one row per mixture-of-experts layer call on a rank: the
+#: assignments this rank's tokens routed to each expert (``routed``, a list over all experts) and
+#: kept after the capacity (``kept``), the rows each local expert computed (``received``), the
+#: dropped assignments, and the microbatch's load-balancing and z losses (already weighted).
+MOE_COLUMNS = ("rank", "site", "call", "routed", "kept", "received", "dropped", "aux_loss", "z_loss")
 
 
 def ring_wire_bytes(op: str, nbytes: int, group_size: int) -> int:
@@ -29,7 +34,7 @@ def ring_wire_bytes(op: str, nbytes: int, group_size: int) -> int:
     (n-1)/n * N where N is the full (gathered) size; point-to-point: N; n == 1: nothing.
     """
     n = group_size
-    if op == "send":
+    if op in ("send", "all_to_all"):
         return nbytes
     if op == "recv" or n <= 1:
         return 0
@@ -53,6 +58,7 @@ class Tracer:
         self.comm: list[tuple] = []
         self.events: list[tuple] = []
         self.ring: list[tuple] = []
+        self.moe: list[tuple] = []
 
     def record_comm(self, *, op: str, axis: str, ranks: tuple[int, ...], nbytes: int,
                     wire_bytes: int, start: float, end: float, site: str, phase: str = "") -> None:
@@ -69,10 +75,17 @@ class Tracer:
         if self.enabled:
             self.ring.append((self.rank, site, phase, step, src, pairs, start, end))
 
+    def record_moe(self, *, site: str, routed: list, kept: list, received: list, dropped: int, aux_loss: float,
+                   z_loss: float) -> None:
+        if self.enabled:
+            call = sum(1 for row in self.moe if row[1] == site)
+            self.moe.append((self.rank, site, call, routed, kept, received, dropped, aux_loss, z_loss))
+
     def clear(self) -> None:
         self.comm.clear()
         self.events.clear()
         self.ring.clear()
+        self.moe.clear()
 
     @contextlib.contextmanager
     def paused(self):
@@ -97,6 +110,11 @@ class Tracer:
         import pandas as pd
 
         return pd.DataFrame(self.ring, columns=list(RING_COLUMNS))
+
+    def moe_frame(self):
+        import pandas as pd
+
+        return pd.DataFrame(self.moe, columns=list(MOE_COLUMNS))
 
     def __repr__(self) -> str:
         state = "on" if self.enabled else "off"

@@ -10,9 +10,13 @@ Layout on disk::
                                   # size and SHA-256
         shard_tp0_pp0.pt          # parameters, AdamW state and RNG of (tp=0, pp=0) ...
         shard_tp1_pp0.pt
+        experts_etp0_ep1_pp0.pt   # mixture of experts: the experts of (expert_tp=0, ep=1, pp=0)
 
-Data-parallel replicas hold identical parameters and (after gathering ZeRO-1 shards) identical
-optimizer state, so the dp-rank-0 rank of each (tp, pp) coordinate writes one shard.
+Data-parallel (and context-parallel) replicas hold identical parameters and (after gathering
+ZeRO-1 shards) identical optimizer state, so the dp-rank-0, cp-rank-0 rank of each (tp, pp)
+coordinate writes one shard of the dense parameters; experts are written by the expert-dp-rank-0
+rank of each (expert_tp, ep, pp) coordinate. Expert parameters carry their global expert index in
+their name, so a checkpoint loads into any ep.
 
 Write new, then switch: every shard and the metadata go to a temporary folder; when all are
 written, rank 0 renames it to a folder name not in use (``step_000003``, or ``step_000003.1`` when
@@ -63,6 +67,14 @@ def _shard_name(tp: int, pp: int) -> str:
     return f"shard_tp{tp}_pp{pp}.pt"
 
 
+def _expert_shard_name(expert_tp: int, ep: int, pp: int) -> str:
+    return f"experts_etp{expert_tp}_ep{ep}_pp{pp}.pt"
+
+
+def _is_expert(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
 def _meta(p) -> dict:
     return {"split_dim": getattr(p, "tp_split_dim", None), "global_shape": list(getattr(p, "global_shape", p.shape)),
             "vocab_rows": getattr(p, "vocab_rows", None), "partitions": getattr(p, "tp_partitions", 1),
@@ -95,16 +107,20 @@ def save_checkpoint(trainer, directory: str, *, keep: Optional[int] = None, _bef
     groups.world.barrier()
     states, opt_step = trainer.optimizer.state_by_name()  # collective over dp for ZeRO-1
     c = groups.coords
-    if c.dp == 0 and c.cp == 0:       # dp and cp replicas hold the same parameters
+    named = list(trainer.named_parameters())
+    dense = [(n, p) for n, p in named if not getattr(p, "expert", False)]
+    expert = [(n, p) for n, p in named if getattr(p, "expert", False)]
+
+    def write(file_name: str, params) -> None:
         shard = {
-            "params": {n: p.detach().cpu().clone() for n, p in trainer.named_parameters()},
-            "meta": {n: _meta(p) for n, p in trainer.named_parameters()},
-            "optimizer": {n: {k: v.cpu() for k, v in s.items()} for n, s in states.items()},
+            "params": {n: p.detach().cpu().clone() for n, p in params},
+            "meta": {n: _meta(p) for n, p in params},
+            "optimizer": {n: {k: v.cpu() for k, v in states[n].items()} for n, _ in params if n in states},
             "optimizer_step": opt_step,
             "rng": [m.rng.get_state() for m in trainer.chunks],
             "torch_rng": torch.get_rng_state(),
         }
-        path = os.path.join(tmp, _shard_name(c.tp, c.pp))
+        path = os.path.join(tmp, file_name)
         buf = io.BytesIO()
         torch.save(shard, buf)
         data = buf.getvalue()
@@ -113,16 +129,24 @@ def save_checkpoint(trainer, directory: str, *, keep: Optional[int] = None, _bef
         _write_file(path, data)
         digest = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
         _write_file(path + ".sha256", json.dumps(digest).encode())
+
+    if c.dp == 0 and c.cp == 0:       # dp and cp replicas hold the same dense parameters
+        write(_shard_name(c.tp, c.pp), dense)
+    e = cfg.topology.expert_coords(groups.rank)
+    if expert and e.dp == 0:          # expert-dp replicas hold the same experts
+        write(_expert_shard_name(e.tp, e.ep, e.pp), expert)
     groups.world.barrier()
     if groups.rank == 0:
+        names = [_shard_name(t, p) for t in range(cfg.tp) for p in range(cfg.pp)]
+        if cfg.model.moe:
+            names += [_expert_shard_name(t, ep, p) for t in range(cfg.expert_tp) for ep in range(cfg.ep)
+                      for p in range(cfg.pp)]
         files = {}
-        for t in range(cfg.tp):
-            for p in range(cfg.pp):
-                f = _shard_name(t, p)
-                side = os.path.join(tmp, f + ".sha256")
-                with open(side) as fh:
-                    files[f] = json.load(fh)
-                os.remove(side)
+        for f in names:
+            side = os.path.join(tmp, f + ".sha256")
+            with open(side) as fh:
+                files[f] = json.load(fh)
+            os.remove(side)
         meta = {"format": FORMAT, "step": trainer.step, "config": cfg.to_dict(),
                 "topology": asdict(cfg.topology), "files": files}
         _write_file(os.path.join(tmp, "metadata.json"), json.dumps(meta, indent=2).encode())
@@ -224,12 +248,19 @@ class _Shards:
 
     def __init__(self, path: str, meta: dict):
         self.path, self.meta = path, meta
-        self.tp, self.pp = meta["topology"]["tp"], meta["topology"]["pp"]
-        self._cache: dict[tuple[int, int], dict] = {}
+        topo = meta["topology"]
+        self.tp, self.pp = topo["tp"], topo["pp"]
+        self.ep, self.expert_tp = topo.get("ep", 1), topo.get("expert_tp", 1)
+        self._cache: dict[str, dict] = {}
 
     def shard(self, tp: int, pp: int) -> dict:
-        if (tp, pp) not in self._cache:
-            name = _shard_name(tp, pp)
+        return self._file(_shard_name(tp, pp))
+
+    def expert_shard(self, expert_tp: int, ep: int, pp: int) -> dict:
+        return self._file(_expert_shard_name(expert_tp, ep, pp))
+
+    def _file(self, name: str) -> dict:
+        if name not in self._cache:
             f = os.path.join(self.path, name)
             if not os.path.exists(f):
                 raise CheckpointError(f"checkpoint shard {f} is missing")
@@ -255,26 +286,33 @@ class _Shards:
                     shard[key]
             except Exception as err:  # noqa: BLE001 - any unpickling failure means a bad file
                 raise CheckpointError(f"checkpoint shard {f} is truncated or corrupt: {err!r}") from None
-            self._cache[(tp, pp)] = shard
-        return self._cache[(tp, pp)]
+            self._cache[name] = shard
+        return self._cache[name]
 
-    def _locate(self, name: str) -> Optional[int]:
+    def _locate(self, name: str):
+        """The shard files holding parameter ``name``, one per tensor-parallel rank (expert-tp for an expert)."""
+        if _is_expert(name):
+            for pp in range(self.pp):
+                for ep in range(self.ep):
+                    if _expert_shard_name(0, ep, pp) in self.meta["files"] and \
+                            name in self.expert_shard(0, ep, pp)["params"]:
+                        return [self.expert_shard(t, ep, pp) for t in range(self.expert_tp)]
+            return None
         for pp in range(self.pp):
             if name in self.shard(0, pp)["params"]:
-                return pp
+                return [self.shard(t, pp) for t in range(self.tp)]
         return None
 
     def full(self, name: str, *, what: str = "param", key: Optional[str] = None) -> Optional[torch.Tensor]:
         """Full tensor of parameter ``name`` (padding rows dropped), or of its optimizer ``key`` state."""
-        pp = self._locate(name)
-        if pp is None and name == "head_weight":
-            pp, name = self._locate("embedding.weight"), "embedding.weight"  # tied: same matrix
-        if pp is None:
+        found = self._locate(name)
+        if found is None and name == "head_weight":
+            found, name = self._locate("embedding.weight"), "embedding.weight"  # tied: same matrix
+        if found is None:
             return None
-        meta = self.shard(0, pp)["meta"][name]
+        meta = found[0]["meta"][name]
         parts = []
-        for tp in range(self.tp):
-            sh = self.shard(tp, pp)
+        for sh in found:
             if what == "param":
                 parts.append(sh["params"][name])
             else:
@@ -328,10 +366,11 @@ def _load(trainer, path: str) -> int:
         details = ", ".join(f"{k}: checkpoint {saved_model.get(k)!r} vs model {mine.get(k)!r}" for k in diff)
         raise CheckpointError(f"checkpoint {path} was saved from another model configuration ({details})")
     shards = _Shards(path, meta)
-    tp, tp_rank = trainer.groups.tp.size, trainer.groups.coords.tp
+    g = trainer.groups
     states = {}
     with torch.no_grad():
         for name, p in trainer.named_parameters():
+            tp, tp_rank = (g.expert_tp.size, g.expert_tp.rank) if getattr(p, "expert", False) else (g.tp.size, g.coords.tp)
             full = shards.full(name)
             if full is None:
                 raise CheckpointError(f"checkpoint {path} has no parameter {name!r}")

@@ -49,6 +49,11 @@ class TrainConfig:
     """Context-parallel degree: each sequence is split over ``cp`` ranks and attention runs as ring
     attention (:mod:`mlmkit.context_parallel`). Needs ``dropout=0`` and ``seq_len`` divisible by
     ``2 cp`` (times tp with sequence parallelism)."""
+    ep: int = 1
+    """Expert-parallel degree (mixture-of-experts models): each ep rank holds experts/ep experts;
+    the expert ranks fold the dense layers' tp x cp x dp ranks of a stage (Megatron-Core's grid)."""
+    expert_tp: int = 1
+    """Tensor-parallel degree inside each expert."""
     cp_split: str = "balanced"
     """How the sequence is divided over cp ranks: ``"balanced"`` (2 cp chunks, rank i holds chunks
     i and 2cp-1-i, as Megatron-LM does) or ``"naive"`` (cp contiguous pieces; unequal work, for
@@ -170,7 +175,7 @@ class TrainConfig:
         if self.cp_split not in ("balanced", "naive"):
             raise ValueError(f"TrainConfig: cp_split={self.cp_split!r} must be 'balanced' or 'naive'")
         self.model.check_parallel(tp=self.tp, pp=self.pp, chunks=self.chunks, cp=self.cp, cp_split=self.cp_split,
-                                  sequence_parallel=self.sequence_parallel)
+                                  sequence_parallel=self.sequence_parallel, ep=self.ep, expert_tp=self.expert_tp)
         make_schedule(self.schedule, stages=topo.pp, microbatches=self.microbatches, chunks=self.chunks,
                       layers=self.model.layers, microbatch_group=self.microbatch_group)
         if not 0 < self.lr or not 0 <= self.min_lr <= self.lr:
@@ -178,7 +183,7 @@ class TrainConfig:
 
     @property
     def topology(self) -> Topology:
-        return Topology(tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp)
+        return Topology(tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp, ep=self.ep, expert_tp=self.expert_tp)
 
     @property
     def world_size(self) -> int:

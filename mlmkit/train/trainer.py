@@ -22,6 +22,7 @@ import torch
 
 from mlmkit.data_parallel import attach_main_grads, dtype_of, make_optimizer
 from mlmkit.distributed import ProcessGroups
+from mlmkit.model.gpt import moe_layers
 from mlmkit.pipeline import make_schedule
 from mlmkit.pipeline.executor import PipelineExecutor, build_model_chunks
 from mlmkit.train.config import TrainConfig
@@ -119,6 +120,8 @@ class Trainer:
         tokens = self.config.global_batch_size * self.config.model.seq_len
         row = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time": elapsed,
                "tokens_per_s": tokens / elapsed if elapsed > 0 else float("nan")}
+        if self.config.model.moe:
+            row.update(self._moe_metrics())
         self.history.append(row)
         self.step += 1
         return row
@@ -154,16 +157,20 @@ class Trainer:
         """Per-step metrics as a DataFrame (step, loss, lr, grad_norm, step_time, tokens_per_s)."""
         import pandas as pd
 
-        return pd.DataFrame(self.history, columns=["step", "loss", "lr", "grad_norm", "step_time", "tokens_per_s"])
+        columns = ["step", "loss", "lr", "grad_norm", "step_time", "tokens_per_s"]
+        if self.config.model.moe:
+            columns += ["aux_loss", "dropped"]
+        return pd.DataFrame(self.history, columns=columns)
 
     def traces(self) -> dict:
         """This rank's traces as DataFrames: ``events`` (schedule actions), ``comm``, ``memory``,
-        ``ring`` (ring-attention steps, with context parallelism)."""
+        ``ring`` (ring-attention steps, with context parallelism), ``moe`` (routing per MoE layer call)."""
         import pandas as pd
 
         from mlmkit.trace.memory import MEMORY_COLUMNS
 
         return {"events": self.tracer.event_frame(), "comm": self.tracer.comm_frame(), "ring": self.tracer.ring_frame(),
+                "moe": self.tracer.moe_frame(),
                 "memory": self.memory.frame() if self.memory is not None else pd.DataFrame(columns=MEMORY_COLUMNS)}
 
     def clear_traces(self) -> None:
@@ -179,6 +186,19 @@ class Trainer:
         t = torch.tensor([value], dtype=torch.float64, device=self.groups.device)
         self.groups.world.all_reduce(t, site="loss")
         return float(t) / (self.config.dp * self.config.cp)
+
+    def _moe_metrics(self) -> dict:
+        # Per step: the auxiliary losses (load balancing + z, weighted) summed over layers, averaged over
+        # microbatches and replicas; and the assignments dropped by capacity limits (all ranks).
+        layers = [layer for c in self.chunks for layer in moe_layers(c)]
+        aux = sum(sum(h["aux_loss"] + h["z_loss"] for h in layer.history) / max(1, len(layer.history))
+                  for layer in layers)
+        dropped = sum(h["dropped"] for layer in layers for h in layer.history)
+        c = self.groups.coords
+        mine = aux if (c.tp == 0 and c.cp == 0) else 0.0
+        t = torch.tensor([mine, float(dropped)], dtype=torch.float64, device=self.groups.device)
+        self.groups.world.all_reduce(t, site="moe_metrics")
+        return {"aux_loss": float(t[0]) / self.config.dp, "dropped": int(t[1])}
 
     def named_parameters(self):
         for c in self.chunks:

@@ -232,7 +232,7 @@ def memory_figure(memory: pd.DataFrame, *, estimate: Optional[pd.DataFrame] = No
 def comm_matrix(comm: pd.DataFrame) -> pd.DataFrame:
     """Wire bytes from each rank (rows) to each rank (columns).
 
-    A point-to-point send goes to its peer. A ring collective sends all of a rank's wire bytes to
+    A point-to-point send goes to its peer, an all-to-all row to its peer. A ring collective sends all of a rank's wire bytes to
     its successor in the ring (the group's next rank), which is how ring all-reduce, all-gather and
     reduce-scatter move data.
     """
@@ -241,7 +241,7 @@ def comm_matrix(comm: pd.DataFrame) -> pd.DataFrame:
         if not r.wire_bytes:
             continue
         ranks = list(r.ranks)
-        if r.op == "send":
+        if r.op in ("send", "all_to_all"):    # a message, or an all-to-all's part for one peer
             dst = ranks[1]
         elif len(ranks) > 1:
             dst = ranks[(ranks.index(r.rank) + 1) % len(ranks)]
