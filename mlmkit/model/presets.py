@@ -41,6 +41,13 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
            _LLAMA3_SOURCE),
     Preset("llama3-405b", GPTConfig(hidden=16384, heads=128, kv_heads=8, layers=126, ffn_hidden=53248, **_LLAMA3),
            _LLAMA3_SOURCE),
+    Preset("mixtral-8x7b",
+           GPTConfig(vocab_size=32000, seq_len=32768, hidden=4096, heads=32, kv_heads=8, layers=32, ffn_hidden=14336,
+                     norm="rmsnorm", mlp="swiglu", position="rope", rope_theta=1e6, bias=False, tie_embeddings=False,
+                     experts=8, top_k=2, make_vocab_size_divisible_by=128),
+           "Jiang et al. 2024, 'Mixtral of Experts', table 1 (dim 4096, 32 layers, head dim 128, 32 heads, 8 KV "
+           "heads, hidden dim 14336, context 32768, vocabulary 32000, 8 experts, top 2): 46.7B parameters, 12.9B "
+           "active per token"),
 ]}
 
 

@@ -2,7 +2,7 @@
 
 Runs the same Trainer as the notebooks. Without ``--config`` it trains the quickstart model
 (:func:`mlmkit.train.demo_config`). Flags override config fields. The world size (from torchrun)
-must equal tp*cp*pp*dp. Under Slurm, see ``cluster/slurm_train.sbatch``.
+must equal tp*cp*pp*dp (ep and expert-tp fold into tp*cp*dp). Under Slurm, see ``cluster/slurm_train.sbatch``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m mlmkit.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="JSON file with TrainConfig fields (model as a nested object)")
-    for name in ("tp", "pp", "dp", "cp", "chunks", "micro-batch-size", "global-batch-size", "max-steps", "warmup-steps",
+    for name in ("tp", "pp", "dp", "cp", "ep", "expert-tp", "chunks", "micro-batch-size", "global-batch-size", "max-steps", "warmup-steps",
                  "microbatch-group"):
         p.add_argument(f"--{name}", type=int)
     for name in ("lr", "min-lr", "grad-clip", "weight-decay"):
@@ -37,6 +37,10 @@ def _parse(argv):
                    help="blocks of the model: GPT-2 (LayerNorm, GELU, learned positions, biases, tied) or "
                         "Llama (RMSNorm, SwiGLU, rotary positions, no biases, untied); sizes are kept")
     p.add_argument("--kv-heads", type=int, help="key/value heads (grouped-query attention)")
+    p.add_argument("--experts", type=int, help="experts per layer: every MLP becomes a mixture of experts")
+    p.add_argument("--top-k", type=int, help="experts each token goes to (with --experts)")
+    p.add_argument("--moe-aux-loss-coeff", type=float, help="weight of the load-balancing loss")
+    p.add_argument("--moe-capacity-factor", type=float, help="expert capacity factor (default: dropless)")
     p.add_argument("--precision", choices=["fp32", "bf16"], help="bf16: mixed precision as Megatron-LM")
     p.add_argument("--grad-reduce", choices=["fp32", "bf16"], help="dtype of the data-parallel gradient reduction")
     p.add_argument("--batch-p2p", action=argparse.BooleanOptionalAction, default=None,
@@ -56,7 +60,7 @@ def build_config(args) -> TrainConfig:
             raise SystemExit(f"python -m mlmkit.train: --{flag.replace('_', '-')}={value} must be >= 0")
     cfg = TrainConfig.from_file(args.config) if args.config else demo_config()
     overrides = {}
-    for field in ("tp", "pp", "dp", "cp", "cp_split", "chunks", "micro_batch_size", "global_batch_size", "max_steps", "warmup_steps",
+    for field in ("tp", "pp", "dp", "cp", "ep", "expert_tp", "cp_split", "chunks", "micro_batch_size", "global_batch_size", "max_steps", "warmup_steps",
                   "microbatch_group",
                   "lr", "min_lr", "grad_clip", "weight_decay", "schedule", "zero1", "sequence_parallel",
                   "batch_p2p", "precision", "grad_reduce"):
@@ -74,6 +78,9 @@ def build_config(args) -> TrainConfig:
             model["kv_heads"] = cfg.model.heads // 2          # grouped-query attention by default
     if args.kv_heads is not None:
         model["kv_heads"] = args.kv_heads
+    for flag in ("experts", "top_k", "moe_aux_loss_coeff", "moe_capacity_factor"):
+        if getattr(args, flag) is not None:
+            model[flag] = getattr(args, flag)
     if model:
         overrides["model"] = model
     return cfg.replace(**overrides) if overrides else cfg
@@ -120,8 +127,9 @@ def main(argv=None) -> int:
         m = cfg.model
         print(f"mlmkit.train: {cfg.topology!r}, schedule={cfg.schedule}, microbatches={cfg.microbatches}, "
               f"{m.norm}/{m.mlp}/{m.position}, heads={m.heads} kv_heads={m.num_kv_heads}, precision={cfg.precision}, "
-              f"recompute={cfg.recompute}, steps {trainer.step}..{trainer.step + steps - 1}, device={groups.device}",
-              flush=True)
+              f"recompute={cfg.recompute}, "
+              + (f"experts={m.experts} top_k={m.top_k}, " if m.moe else "")
+              + f"steps {trainer.step}..{trainer.step + steps - 1}, device={groups.device}", flush=True)
     for _ in range(steps):
         row = trainer.train_step()
         if rank == 0:
