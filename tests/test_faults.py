@@ -32,12 +32,12 @@ REF_STEPS = 56
 class Harness:
     """A session with faults, and the losses of an uninterrupted run on the same engines."""
 
-    def __init__(self, cluster):
+    def __init__(self, cluster, cfg=CFG, ref_steps=REF_STEPS):
         self.cluster = cluster
-        reference = cluster.session(CFG, keep_last_step=False)
-        self.ref_losses = list(reference.train(REF_STEPS, progress=False).loss)
+        reference = cluster.session(cfg, keep_last_step=False)
+        self.ref_losses = list(reference.train(ref_steps, progress=False).loss)
         reference.close()
-        self.session = cluster.session(CFG)
+        self.session = cluster.session(cfg)
 
     def ref_loss(self, step: int) -> float:
         assert step < REF_STEPS, "raise REF_STEPS: the faulty session went further than the reference"
@@ -108,9 +108,9 @@ def _inject(state, sid, point, kind):
         once(ex, "step_action", lambda: ex.index == point)
 
 
-def _points(rank):
-    pp = CFG.topology.coords(rank).pp
-    n = len(make_schedule(CFG.schedule, stages=CFG.pp, microbatches=CFG.microbatches).actions[pp])
+def _points(rank, cfg=CFG):
+    pp = cfg.topology.coords(rank).pp
+    n = len(make_schedule(cfg.schedule, stages=cfg.pp, microbatches=cfg.microbatches).actions[pp])
     return list(range(n)) + ["finalize", "optimizer"]
 
 
@@ -120,11 +120,11 @@ SWEEP = [(rank, point) for rank in (1, 2) for point in _points(rank)]
 SWEEP += [(rank, random.Random(7 + k).choice(_points(rank))) for k, rank in enumerate((0, 3, 0, 3, 0, 3))]
 
 
-def test_rank_raising_at_every_action_index(harness):
+def _raise_everywhere(harness, sweep):
     cluster, session = harness.cluster, harness.session
     pids, generation = harness.engine_pids(), cluster.generation
     slowest = 0.0
-    for rank, point in SWEEP:
+    for rank, point in sweep:
         cluster.run(_inject, session.id, point, "raise", ranks=[rank])
         t0 = time.monotonic()
         with pytest.raises(RankError) as info:
@@ -136,7 +136,31 @@ def test_rank_raising_at_every_action_index(harness):
         assert elapsed < REPORT_S, (rank, point, elapsed)
         harness.check_next_step()            # weights of the last finished step were intact
     assert harness.engine_pids() == pids and cluster.generation == generation   # no engine replaced
+    return slowest
+
+
+def test_rank_raising_at_every_action_index(harness):
+    slowest = _raise_everywhere(harness, SWEEP)
     print(f"{len(SWEEP)} injected failures, slowest report {slowest:.2f} s")
+
+
+# Context parallel with experts: the cp, dp-cp, tp-cp and expert groups must be released by a failing
+# rank (or its peers stay blocked and get replaced) and rebuilt by the recovery (or the next step uses
+# a destroyed group).
+CP_EP_CFG = TrainConfig(model=GPTConfig(vocab_size=256, seq_len=16, hidden=32, heads=4, layers=2, experts=4,
+                                        top_k=2, moe_ffn_hidden=32, dropout=0.0),
+                        cp=2, dp=2, ep=2, micro_batch_size=2, global_batch_size=8, max_steps=200)
+CP_EP_SWEEP = [(rank, point) for rank in range(4) for point in _points(rank, CP_EP_CFG)]
+
+
+def test_cp_and_expert_groups_released_and_rebuilt_after_a_failure():
+    cluster = Cluster(topology=CP_EP_CFG.topology, timeout_s=TIMEOUT_S, grace_s=2.0)
+    with cluster:
+        h = Harness(cluster, CP_EP_CFG, ref_steps=len(CP_EP_SWEEP) + 2)
+        h.check_next_step()
+        _raise_everywhere(h, CP_EP_SWEEP)
+        groups = cluster.run(lambda r: sorted(g.axis for g in r.groups.all_groups() if g.size > 1))
+        assert set(groups[0]) >= {"cp", "dp", "ep", "expert-dp", "world"}, groups
 
 
 def test_engine_killed_mid_step(harness):

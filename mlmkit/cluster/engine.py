@@ -108,10 +108,7 @@ class EngineState:
         if self.groups is None:
             self.groups = fresh
         else:
-            for axis in ("tp", "dp", "pp", "embedding", "world"):
-                old, new = getattr(self.groups, axis), getattr(fresh, axis)
-                if old is not None:
-                    old.pg = new.pg
+            self.groups.adopt(fresh)     # every group, cp / dp-cp / tp-cp / expert groups included
         assert dist.is_initialized()
 
     def abort(self, *, collect: bool = True) -> None:
@@ -126,10 +123,7 @@ class EngineState:
             except Exception:  # noqa: BLE001 - dropping references must not fail the abort
                 pass
         if self.groups is not None:
-            for axis in ("tp", "dp", "pp", "embedding", "world"):
-                g = getattr(self.groups, axis)
-                if g is not None:
-                    g.pg = None
+            self.groups.drop()           # a group left holding a process group keeps its connections open
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()

@@ -223,6 +223,26 @@ class ProcessGroups:
                 out.append(g)
         return out
 
+    def drop(self) -> None:
+        """Forget every torch process group (each :class:`CommGroup` keeps its ranks): with no
+        reference left, destroying them closes their connections (peers blocked with us fail fast)."""
+        for name in (*GROUP_ATTRS, "world"):
+            g = getattr(self, name)
+            if g is not None:
+                g.pg = None
+
+    def adopt(self, fresh: "ProcessGroups") -> None:
+        """Take the torch process groups of ``fresh`` (same topology and rank) into these
+        :class:`CommGroup` objects, so models and trainers built on them use the new world."""
+        if fresh.topology != self.topology or fresh.rank != self.rank:
+            raise ValueError(f"ProcessGroups.adopt: {fresh!r} is not the same rank of the same grid as {self!r}")
+        for name in (*GROUP_ATTRS, "world"):
+            old, new = getattr(self, name), getattr(fresh, name)
+            if (old is None) != (new is None) or (old is not None and list(old.ranks) != list(new.ranks)):
+                raise ValueError(f"ProcessGroups.adopt: group {name} differs ({old} vs {new})")
+            if old is not None:
+                old.pg = new.pg
+
     def set_tracer(self, tracer) -> None:
         """Route every group's collectives to ``tracer`` (``None`` stops recording)."""
         for g in self.all_groups():
