@@ -40,7 +40,32 @@ def _expert_names(trainer) -> set:
     return {n for c in trainer.chunks for n, p in c.named_parameters() if getattr(p, "expert", False)}
 
 
-def _train(rank, world_size, cfg_dict):
+def _starve(experts: int):
+    """Route no token to the upper half of the experts (their ranks get empty all-to-alls and run
+    their experts on zero rows): the router's logits for them are pushed down before the top-k."""
+    import mlmkit.moe.layer as layer
+
+    original = layer.route
+
+    def starved(logits, **kw):
+        mask = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
+        mask[experts // 2:] = -1e4
+        return original(logits + mask, **kw)
+
+    layer.route = starved
+    return lambda: setattr(layer, "route", original)
+
+
+def _train(rank, world_size, cfg_dict, starve=False):
+    restore = _starve(TrainConfig.from_dict(cfg_dict).model.experts) if starve else None
+    try:
+        return _run(rank, world_size, cfg_dict)
+    finally:
+        if restore:
+            restore()
+
+
+def _run(rank, world_size, cfg_dict):
     cfg = TrainConfig.from_dict(cfg_dict)
     groups = ProcessGroups.build(cfg.topology) if world_size > 1 else ProcessGroups.single()
     trainer = Trainer(cfg, groups=groups)
@@ -81,10 +106,10 @@ def _train(rank, world_size, cfg_dict):
 _SERIAL = {}
 
 
-def _serial(cfg: TrainConfig) -> dict:
-    key = json.dumps(cfg.model.to_dict(), sort_keys=True) + cfg.precision
+def _serial(cfg: TrainConfig, starve: bool = False) -> dict:
+    key = json.dumps(cfg.model.to_dict(), sort_keys=True) + cfg.precision + str(starve)
     if key not in _SERIAL:
-        _SERIAL[key] = _train(0, 1, _config(cfg.model, precision=cfg.precision).to_dict())
+        _SERIAL[key] = _train(0, 1, _config(cfg.model, precision=cfg.precision).to_dict(), starve)
     return _SERIAL[key]
 
 
@@ -111,17 +136,22 @@ LAYOUTS = {
     "ep2-dp2-sigmoid-shared": dict(dp=2, ep=2, model={"moe_router": "sigmoid", "moe_shared_ffn_hidden": 32}),
     "ep2-dp2-switch-top1": dict(dp=2, ep=2, model={"top_k": 1, "moe_renormalize": False, "moe_aux_loss_coeff": 0.01}),
     "ep2-tp2-sp-bf16": dict(tp=2, ep=2, sequence_parallel=True, precision="bf16"),
+    # Experts 2 and 3 get no token: their ranks send and receive empty all-to-alls.
+    "ep4-dp4-starved-aux": dict(dp=4, ep=4, starve=True, model=AUX),
+    "expert_tp2-ep2-tp2-sp-starved": dict(tp=2, dp=2, expert_tp=2, ep=2, sequence_parallel=True, starve=True),
+    "ep2-pp2-dp2-starved-capacity": dict(pp=2, dp=2, ep=2, starve=True, model={"moe_capacity_factor": 1.0}),
 }
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_dropless_layout_matches_serial(layout):
     options = dict(LAYOUTS[layout])
+    starve = options.pop("starve", False)
     model = MODEL if "model" not in options else moe_config(**{**MODEL.to_dict(), **options.pop("model")})
     cfg = _config(model, **options)
     precision = cfg.precision
-    results = run_ranks(_train, world_size=cfg.world_size, args=(cfg.to_dict(),), timeout_s=300)
-    ref = _serial(cfg)
+    results = run_ranks(_train, world_size=cfg.world_size, args=(cfg.to_dict(), starve), timeout_s=300)
+    ref = _serial(cfg, starve)
     for r in results:
         for got, want in zip(r["losses"], ref["losses"]):
             tol = FP32_TOL * abs(want) if precision == "fp32" else BF16_LOSS_RTOL * abs(want)

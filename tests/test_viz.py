@@ -194,3 +194,58 @@ def test_ring_timeline_and_memory_figures():
     assert len(fig.data[0].x) == len(ring) and len(fig.data[1].x) == 2
     mem = cp_memory_figure(pd.DataFrame({"cp": [1, 2, 4], "measured": [8.0, 4.2, 2.1], "estimated": [8.0, 4.2, 2.1]}))
     assert list(mem.data[2].y) == pytest.approx([8 / 1024, 4 / 1024, 2 / 1024])
+
+
+# ------------------------------------------------------------------------------- mixture of experts
+def _moe_trace():
+    # Two ranks, two MoE layers, two calls each; 4 experts; rank 1 of layer 1 dropped 3 assignments.
+    rows = []
+    for rank in (0, 1):
+        for layer in (0, 1):
+            for call in (0, 1):
+                routed = [1 + rank, 2, 3 + layer, 2 + call]
+                kept = [min(n, 3) for n in routed]
+                rows.append({"rank": rank, "site": f"layers.{layer}.mlp", "call": call, "routed": routed,
+                             "kept": kept, "received": routed, "dropped": sum(routed) - sum(kept),
+                             "aux_loss": 0.0, "z_loss": 0.0})
+    return pd.DataFrame(rows)
+
+
+def test_expert_load_figure_sums_the_trace_and_draws_the_even_line():
+    from mlmkit.viz import expert_load, expert_load_figure
+
+    moe = _moe_trace()
+    load = expert_load(moe)
+    assert load.loc[("layers.1.mlp", 1)].tolist() == [2 * 2, 2 * 2, 2 * 4, 2 + 3]   # summed over the calls
+    fig = expert_load_figure(moe)
+    heat, bars, even = fig.data
+    assert [list(r) for r in heat.z] == load.values.tolist() and len(heat.y) == 4
+    assert list(bars.y) == load.sum(axis=0).tolist()
+    assert set(even.y) == {load.values.sum() / 4}
+    assert f"{int(moe.dropped.sum())} assignments dropped" in fig.layout.title.text and moe.dropped.sum() > 0
+    kept = expert_load(moe, column="kept")
+    assert (kept.values <= 3 * 2).all() and kept.values.sum() < load.values.sum()
+
+
+def test_all_to_all_figure_is_the_ep_traffic_only():
+    from mlmkit.viz import all_to_all_figure
+
+    def row(rank, op, axis, ranks, wire):
+        return {"rank": rank, "op": op, "axis": axis, "ranks": ranks, "bytes": wire, "wire_bytes": wire,
+                "start": 0.0, "end": 1.0, "site": "x", "phase": "forward"}
+
+    comm = pd.DataFrame([row(0, "all_to_all", "ep", (0, 1), 2048), row(0, "all_to_all", "ep", (0, 2), 1024),
+                         row(1, "all_to_all", "ep", (1, 0), 4096), row(2, "all_to_all", "ep", (2, 1), 512),
+                         row(0, "all_reduce", "dp", (0, 1, 2), 10**6)])
+    heat = all_to_all_figure(comm).data[0]
+    z = [list(r) for r in heat.z]
+    assert z == [[0, 2, 1], [4, 0, 0], [0, 0.5, 0]]          # KiB from row to column; the dp all-reduce left out
+
+
+def test_moe_training_figure_shows_the_balance_loss():
+    from mlmkit.viz import moe_training_figure
+
+    metrics = pd.DataFrame({"step": [0, 1, 2], "loss": [5.0, 4.0, 3.5], "aux_loss": [0.02, 0.015, 0.011]})
+    fig = moe_training_figure(metrics)
+    assert [list(t.y) for t in fig.data] == [[5.0, 4.0, 3.5], [0.02, 0.015, 0.011]]
+    assert len(moe_training_figure(metrics.drop(columns="aux_loss")).data) == 1

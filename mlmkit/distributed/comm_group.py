@@ -7,6 +7,8 @@ size 1 performs no communication and records nothing.
 
 from __future__ import annotations
 
+import math
+
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
@@ -151,7 +153,7 @@ class CommGroup:
         out = torch.empty((sum(recv_splits), *src.shape[1:]), dtype=src.dtype, device=src.device)
         dist.all_to_all_single(out, src, output_split_sizes=recv_splits, input_split_sizes=send_splits,
                                group=self.pg)
-        row = src[0].numel() * src.element_size() if src.dim() > 1 else src.element_size()
+        row = math.prod(src.shape[1:]) * src.element_size()        # bytes per row (an empty input has rows too)
         for j, n in enumerate(send_splits):
             if j != self.rank:
                 self._record("all_to_all", n * row, start, site, peers=(self.global_rank, self.ranks[j]),
