@@ -249,3 +249,32 @@ def test_moe_training_figure_shows_the_balance_loss():
     fig = moe_training_figure(metrics)
     assert [list(t.y) for t in fig.data] == [[5.0, 4.0, 3.5], [0.02, 0.015, 0.011]]
     assert len(moe_training_figure(metrics.drop(columns="aux_loss")).data) == 1
+
+
+# ------------------------------------------------------------------------------- ZeRO
+def test_parameter_memory_figure_follows_the_trace():
+    from mlmkit.viz import parameter_memory_figure
+
+    memory = pd.DataFrame({"rank": [0, 0, 0, 1, 1, 1], "time": [0.0, 0.001, 0.002, 0.0, 0.001, 0.002],
+                           "action": ["gather a", "gather b", "F", "gather a", "gather b", "F"],
+                           "parameters": [100, 300, 50, 100, 300, 50]})
+    estimate = pd.DataFrame({"parameters": [300, 300]}, index=[0, 1])
+    fig = parameter_memory_figure(memory, estimate=estimate)
+    lines = [t for t in fig.data if t.name == "parameters"]
+    assert [list(t.y) for t in lines] == [[100 / 1024, 300 / 1024, 50 / 1024]] * 2
+    assert all(set(t.y) == {300 / 1024} for t in fig.data if t.name == "estimated peak")
+
+
+def test_zero_bytes_frame_and_figure():
+    from mlmkit.viz import zero_bytes_figure, zero_bytes_frame
+
+    def comm(nbytes):
+        return pd.DataFrame({"rank": [0, 0, 1], "axis": ["dp", "tp", "dp"], "wire_bytes": [nbytes, 999, nbytes]})
+
+    est = {s: pd.DataFrame({"dp": [n, n]}, index=[0, 1]) for s, n in ((0, 200), (3, 300))}
+    frame = zero_bytes_frame({0: comm(200), 3: comm(300)}, estimates=est)
+    assert list(frame.measured) == [200, 200, 300, 300] and list(frame.estimated) == [200, 200, 300, 300]
+    assert list(frame["vs zero 0"]) == [1.0, 1.0, 1.5, 1.5]
+    fig = zero_bytes_figure(frame)
+    bars = [t for t in fig.data if t.type == "bar"]
+    assert [t.name for t in bars] == ["zero 0", "zero 3"] and list(bars[1].y) == [300 / 1024] * 2

@@ -509,14 +509,15 @@ cluster.shutdown()
 # =====================================================================================================
 DATA_3D = [
     md("""
-# 03 · Data parallelism, ZeRO-1 and an 8-rank 3D grid
+# 03 · Data parallelism, ZeRO-1/2/3 and an 8-rank 3D grid
 
 **Data parallelism** runs `d` replicas of the model on different slices of the batch and averages
 their gradients with an all-reduce (in buckets, so fewer, larger messages). **ZeRO-1** (Megatron-LM's
 *distributed optimizer*) shards the optimizer state over the replicas: gradients are
 reduce-scattered, each replica updates its shard, the new parameters are all-gathered.
 
-Here: tp = 2, pp = 2, dp = 2 on **8 ranks**.
+Here: tp = 2, pp = 2, dp = 2 on **8 ranks**; then ZeRO-2 and ZeRO-3 (fully sharded data
+parallelism, FSDP) on 4 replicas.
 """),
     code("""
 from mlmkit.cluster import Cluster
@@ -571,6 +572,86 @@ pd.DataFrame({"d": [1, 2, 8, 64], "bf16 + AdamW": [bytes_per_parameter() for _ i
 """),
     code("""
 cluster.shutdown()
+"""),
+    md("""
+## ZeRO-2 and ZeRO-3: gradients and parameters sharded too
+
+**ZeRO-2** also shards the gradients: each layer's gradient is reduce-scattered and the whole one
+freed. **ZeRO-3** (PyTorch's FSDP) shards the parameters as well: between uses a layer holds only
+its `1/d` shard; it is **all-gathered right before its forward, freed after it, gathered again
+before its backward** and freed once that has passed. The unit is one Transformer layer (and the
+rest of the model: embedding, final norm, head). The price is bytes: with one microbatch, ZeRO-3
+moves `3 (d−1)/d` of the parameters per step where data parallelism moves `2 (d−1)/d`: **1.5×**.
+mlmkit reduces gradients once per step (after the last microbatch), as torch's pipelining runtime
+does with FSDP, so they are whole during backward.
+
+Four replicas (dp = 4), one microbatch each, the four stages side by side:
+"""),
+    code("""
+from mlmkit import Topology
+from mlmkit.estimate import estimate_train_comm, estimate_train_memory
+from mlmkit.estimate.compare import measured_memory
+from mlmkit.viz import parameter_memory_figure, zero_bytes_figure, zero_bytes_frame
+flat = TrainConfig(model=GPTConfig(vocab_size=256, seq_len=32, hidden=64, heads=4, layers=4),
+                   dp=4, micro_batch_size=2, global_batch_size=8)
+variants = {"zero 0": dict(zero=0), "zero 1": dict(zero=1), "zero 2": dict(zero=2), "zero 3": dict(zero=3),
+            "zero 3, prefetch 1": dict(zero=3, prefetch=1), "zero 3, kept after forward": dict(zero=3, reshard_after_forward=False)}
+runs = {}
+with Cluster(topology=Topology(dp=4)) as dp4:
+    for name, options in variants.items():
+        cfg = flat.replace(**options)
+        session = dp4.session(cfg)
+        session.step()                       # optimizer state exists from here
+        session.traces(clear=True)
+        session.step()
+        runs[name] = dict(config=cfg, traces=session.traces())
+        session.close()
+rows = {}
+for name, r in runs.items():
+    measured = measured_memory(r["traces"]["memory"]).loc[0]
+    estimated = estimate_train_memory(r["config"]).loc[0]
+    for kind in ("parameters", "gradients", "optimizer"):
+        assert measured[kind] == estimated[kind], (name, kind)
+    comm = compare_comm(r["traces"]["comm"], estimate_train_comm(r["config"]))
+    assert (comm.measured == comm.estimated).all(), name
+    rows[name] = (measured[["parameters", "gradients", "optimizer"]] / 2**10).round(1)
+pd.DataFrame(rows).T.rename(columns=lambda c: f"{c} (KiB, rank 0)")
+"""),
+    md("Every number above is measured on the engines and equals the estimator's. The bytes:"),
+    code("""
+stages = {int(name[-1]): r for name, r in runs.items() if name in ("zero 0", "zero 1", "zero 2", "zero 3")}
+frame = zero_bytes_frame({z: r["traces"]["comm"] for z, r in stages.items()},
+                         estimates={z: estimate_train_comm(r["config"]) for z, r in stages.items()})
+assert (frame.measured == frame.estimated).all()
+zero_bytes_figure(frame)
+"""),
+    code("""
+frame[frame["rank"] == 0].set_index("stage")[["measured", "vs zero 0"]]
+"""),
+    md("""
+## Parameters rising and falling
+
+Rank 0's parameter bytes over the traced step with ZeRO-3: the shards are always there; each
+gather adds a layer, each free removes it. With `prefetch=1` two layers are whole at a time (the
+next one is gathered early); keeping them after the forward (`reshard_after_forward=False`) holds
+everything until the optimizer step, like ZeRO-2, and gathers once per step instead of twice.
+"""),
+    code("""
+z3 = runs["zero 3"]
+parameter_memory_figure(z3["traces"]["memory"].query("rank == 0"), estimate=estimate_train_memory(z3["config"]),
+                        title="ZeRO-3, rank 0: parameter memory over one step")
+"""),
+    code("""
+peaks = pd.DataFrame({name: {"parameter peak (KiB)": measured_memory(r["traces"]["memory"]).parameters.max() / 2**10,
+                             "dp bytes (KiB)": r["traces"]["comm"].query("axis == 'dp' and rank == 0").wire_bytes.sum() / 2**10}
+                      for name, r in runs.items() if name.startswith("zero 3")}).T.round(1)
+assert peaks["parameter peak (KiB)"].is_monotonic_increasing
+peaks
+"""),
+    md("Model-state bytes per parameter of each stage (bf16 mixed precision, Megatron-LM's count):"),
+    code("""
+pd.DataFrame({f"zero {z}": [bytes_per_parameter(zero=z, dp=d) for d in (1, 2, 8, 64)] for z in range(4)},
+             index=pd.Index([1, 2, 8, 64], name="d")).round(2)
 """),
 ]
 

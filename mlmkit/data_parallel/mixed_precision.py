@@ -28,17 +28,25 @@ def dtype_of(precision: str) -> torch.dtype:
     return PRECISIONS[precision]
 
 
+def main_grad(param: torch.Tensor) -> torch.Tensor:
+    """The parameter's fp32 gradient buffer, allocated (zeroed) if ZeRO-2/3 freed it."""
+    if param.main_grad is None:
+        param.main_grad = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+    return param.main_grad
+
+
 def _accumulate(param: torch.Tensor) -> None:
     # A deferred weight gradient (split backward) reaches the hook without a gradient: W adds it later.
     if param.grad is not None:
-        param.main_grad.add_(param.grad)     # bf16 -> fp32, accumulated across microbatches
+        main_grad(param).add_(param.grad)     # bf16 -> fp32, accumulated across microbatches
         param.grad = None
 
 
 def attach_main_grads(params: Iterable[nn.Parameter]) -> None:
     """Give each parameter an fp32 ``main_grad`` (zeroed) that its backward passes accumulate into."""
     for p in params:
-        if getattr(p, "main_grad", None) is not None:
+        if getattr(p, "mixed_precision", False):
             continue
+        p.mixed_precision = True
         p.main_grad = torch.zeros_like(p, dtype=torch.float32)
         p.register_post_accumulate_grad_hook(_accumulate)

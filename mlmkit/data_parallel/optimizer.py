@@ -339,10 +339,23 @@ class MultiOptimizer:
             part.load_state_by_name(states, step)
 
 
-def make_optimizer(named_params, groups: ProcessGroups, *, zero1: bool, bucket_bytes: int, **kw):
-    """:class:`ShardedAdamW` when ``zero1``, else :class:`ReplicatedAdamW`; with expert parameters
-    (``param.expert``), a :class:`MultiOptimizer` of a dense part and an expert part."""
+def make_optimizer(named_params, groups: ProcessGroups, *, zero1: bool = False, bucket_bytes: int = 25 * 2**20,
+                   zero: Optional[int] = None, units=None, **kw):
+    """By ZeRO stage (``zero``; ``zero1=True`` is stage 1): 0 :class:`ReplicatedAdamW`, 1
+    :class:`ShardedAdamW`, 2 and 3 :class:`~mlmkit.data_parallel.zero.FullyShardedAdamW` over
+    ``units`` (:func:`~mlmkit.data_parallel.zero.shard_units`, dense models only). With expert
+    parameters (``param.expert``), a :class:`MultiOptimizer` of a dense part and an expert part."""
+    stage = (1 if zero1 else 0) if zero is None else zero
     named_params = list(named_params)
+    if stage >= 2:
+        from mlmkit.data_parallel.zero import FullyShardedAdamW
+
+        if any(getattr(p, "expert", False) for _, p in named_params):
+            raise ValueError(f"zero={stage} shards dense models only: use zero=1 with experts")
+        if units is None:
+            raise ValueError(f"zero={stage}: give the units (mlmkit.data_parallel.zero.shard_units(chunks))")
+        return FullyShardedAdamW(units, groups, stage=stage, **kw)
+    zero1 = stage == 1
     dense = [(n, p) for n, p in named_params if not getattr(p, "expert", False)]
     expert = [(n, p) for n, p in named_params if getattr(p, "expert", False)]
 

@@ -21,7 +21,9 @@ equals what the tracer measures:
   stage and its gradient sent back to the previous one;
 - ``dp``: the gradient all-reduce (bucketed), or ZeRO-1's reduce-scatter of gradients plus
   all-gather of parameters (flat vector padded to a multiple of dp), over the dp x cp ranks that
-  hold the same parameters;
+  hold the same parameters; ZeRO-2 the same unit by unit (each unit padded); ZeRO-3 per unit one
+  reduce-scatter and an all-gather of the parameters before every forward and every backward of
+  its chunk (``2m`` per step; once with ``reshard_after_forward=False``);
 
 Activations and their messages travel in the training dtype (2 bytes in bf16), gradients in fp32
 (``grad_reduce="bf16"``: the dp reduction in bf16), ZeRO-1's parameter all-gather in the
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from mlmkit.estimate.params import local_parameters, stage_layout
+from mlmkit.estimate.params import local_parameters, shard_unit_sizes, stage_layout
 from mlmkit.pipeline.schedule import V_SCHEDULES, stage_rank
 from mlmkit.model.config import GPTConfig
 from mlmkit.topology import Topology
@@ -108,7 +110,8 @@ def _moe_comm(model: GPTConfig, topology: Topology, *, s: int, b: int, m: int, E
 def estimate_comm(model: GPTConfig, topology: Topology, *, micro_batch_size: int, microbatches: int,
                   chunks: int = 1, sequence_parallel: bool = False, zero1: bool = False, recompute=False,
                   bucket_bytes: int = 25 * 2**20, precision: str = "fp32", grad_reduce: str = "fp32",
-                  layers_per_stage: Optional[Sequence[int]] = None, placement: str = "loop"):
+                  layers_per_stage: Optional[Sequence[int]] = None, placement: str = "loop",
+                  zero: Optional[int] = None, reshard_after_forward: bool = True):
     """Wire bytes per rank (rows) and axis (columns: tp, cp, tp-cp, ep, expert-tp, pp, dp, expert-dp,
     embedding, world) for one step.
     For a training run, :func:`estimate_train_comm` takes every option from its TrainConfig."""
@@ -181,8 +184,19 @@ def estimate_comm(model: GPTConfig, topology: Topology, *, micro_batch_size: int
                 for other in (vs + 1, vs - 1):
                     if 0 <= other <= last and stage_rank(other, stages=p, placement=placement)[0] != c.pp:
                         vol["pp"] += m * msg
-        vol["dp"] = _grad_reduction([q for q in params if not q.expert], d, zero1=zero1, R=R, E=E,
-                                    bucket_bytes=bucket_bytes)
+        stage = (1 if zero1 else 0) if zero is None else zero
+        if stage >= 2:
+            if d > 1:
+                gathers = 1 if stage == 2 else (2 * m if reshard_after_forward else 1)
+                for u in shard_unit_sizes(model, topology, pp_rank=c.pp, chunks=chunks,
+                                          sequence_parallel=sequence_parallel, layers_per_stage=layers_per_stage,
+                                          placement=placement):
+                    padded = -(-u["numel"] // d) * d
+                    vol["dp"] += (ring_wire_bytes("reduce_scatter", padded * R, d)
+                                  + gathers * ring_wire_bytes("all_gather", padded * E, d))
+        else:
+            vol["dp"] = _grad_reduction([q for q in params if not q.expert], d, zero1=stage == 1, R=R, E=E,
+                                        bucket_bytes=bucket_bytes)
         if model.moe:
             layers = sum(len(st["layers"]) for st in stages)
             vol["expert-dp"] = _grad_reduction([q for q in params if q.expert], topology.expert_dp, zero1=zero1, R=R,
@@ -205,6 +219,7 @@ def estimate_train_comm(config):
     """:func:`estimate_comm` for a :class:`~mlmkit.train.TrainConfig` (every option from the config)."""
     return estimate_comm(config.model, config.topology, micro_batch_size=config.micro_batch_size,
                          microbatches=config.microbatches, chunks=config.chunks,
-                         sequence_parallel=config.sequence_parallel, zero1=config.zero1, recompute=config.recompute,
+                         sequence_parallel=config.sequence_parallel, zero=config.zero, recompute=config.recompute,
+                         reshard_after_forward=config.reshard_after_forward,
                          bucket_bytes=config.bucket_bytes, precision=config.precision, grad_reduce=config.grad_reduce,
                          placement="v" if config.schedule in V_SCHEDULES else "loop")

@@ -8,6 +8,9 @@ Model state (bytes per parameter, Megatron-LM's accounting, "distributed optimiz
 - fp32 training (``precision="fp32"``): 4 + 4 + 8 (exp_avg, exp_avg_sq; the parameter itself is
   the master) = 16; with ZeRO-1, 4 + 4 + 12/d (the fp32 shard copy plus its two states, on
   ``ceil(N/d)`` elements).
+- ZeRO-2 shards the gradients too (bf16 2 + 16/d), ZeRO-3 everything (18/d; fp32 16/d), unit by unit
+  (:mod:`mlmkit.data_parallel.zero`); ZeRO-3 adds the parameters gathered at a time (a chunk's
+  root and ``1 + prefetch`` layers). :func:`bytes_per_parameter` gives each stage's figure.
 
 Activations per Transformer layer and microbatch (Korthikanti et al. 2022, section 4; ``s``
 sequence, ``b`` microbatch, ``h`` hidden, ``a`` heads, ``t`` tensor-parallel degree), with 2-byte
@@ -53,7 +56,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
-from mlmkit.estimate.params import local_parameters, stage_layout
+from mlmkit.estimate.params import local_parameters, shard_unit_sizes, stage_layout
 from mlmkit.model.config import GPTConfig
 from mlmkit.pipeline.schedule import make_schedule
 from mlmkit.topology import Topology
@@ -99,11 +102,23 @@ def _recompute(recompute: Union[bool, str]) -> str:
     return recompute
 
 
-def bytes_per_parameter(*, precision="bf16", zero1: bool = False, dp: int = 1) -> float:
-    """Model-state bytes per parameter: 18 (bf16), or 6 + 12/d with ZeRO-1 (Megatron-LM's figures)."""
+def bytes_per_parameter(*, precision="bf16", zero1: bool = False, dp: int = 1, zero: Optional[int] = None) -> float:
+    """Model-state bytes per parameter in the steady state of each ZeRO stage (``zero``; ``zero1=True``
+    is 1) over ``dp`` replicas. bf16 (Megatron-LM's count, fp32 gradients): 18; ZeRO-1 6 + 12/d;
+    ZeRO-2 2 + 16/d; ZeRO-3 18/d (the ZeRO paper's 2 + 2 + 12 = 16 with fp16 gradients). fp32: 16;
+    4 + 4 + 12/d (an fp32 shard copy); 4 + 16/d; 16/d (the master shard is the parameter shard).
+    mlmkit reduces gradients once per step, so during the backward passes they are whole (see
+    :mod:`mlmkit.data_parallel.zero`)."""
     pr = _precision(precision)
-    optimizer = 2 * pr.state + (pr.master if pr.master else (pr.param if zero1 else 0))
-    return pr.param + pr.grad + (optimizer / dp if zero1 else optimizer)
+    stage = (1 if zero1 else 0) if zero is None else zero
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"bytes_per_parameter: zero={stage!r} must be 0, 1, 2 or 3")
+    if stage == 0:
+        return pr.param + pr.grad + 2 * pr.state + pr.master
+    if stage == 3:
+        return (pr.param + pr.grad + 2 * pr.state + pr.master) / dp
+    optimizer = 2 * pr.state + (pr.master or pr.param)          # the shard keeps its own fp32 copy
+    return pr.param + (optimizer / dp if stage == 1 else (pr.grad + optimizer) / dp) + (pr.grad if stage == 1 else 0)
 
 
 def activation_bytes_per_layer(*, s: int, b: int, h: int, a: int, ffn: Optional[int] = None, t: int = 1,
@@ -283,12 +298,18 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
                     schedule: str = "1f1b", chunks: int = 1, sequence_parallel: bool = False,
                     recompute: Union[bool, str] = False, zero1: bool = False, precision="fp32",
                     implementation: str = "mlmkit", layers_per_stage: Optional[Sequence[int]] = None,
-                    microbatch_group: Optional[int] = None):
+                    microbatch_group: Optional[int] = None, zero: Optional[int] = None, prefetch: int = 0,
+                    reshard_after_forward: bool = True):
     """Estimated bytes per rank as a DataFrame indexed by rank.
 
     Columns: ``parameters``, ``gradients``, ``optimizer``, ``activations`` (peak over the step),
     ``total``. For a training run, :func:`estimate_train_memory` takes every option from its
     :class:`~mlmkit.train.TrainConfig`.
+
+    ``zero`` (``zero1=True`` is 1): 2 and 3 shard unit by unit (:mod:`mlmkit.data_parallel.zero`),
+    each unit padded to a multiple of the replicas; under 3 ``parameters`` is the shards plus the
+    most that is gathered at once (the chunk's root and ``1 + prefetch`` layers, or every unit
+    with ``reshard_after_forward=False``); gradients are whole until the step's reduction.
     """
     import pandas as pd
 
@@ -309,7 +330,27 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
                                   layers_per_stage=layers_per_stage, placement=placement,
                                   ep_rank=topology.expert_coords(rank).ep)
         n = sum(p.numel for p in params)
-        if zero1:   # dense parameters sharded over the dp x cp replicas, experts over their expert-dp replicas
+        stage = (1 if zero1 else 0) if zero is None else zero
+        param_bytes = n * pr.param
+        if stage >= 2:   # unit by unit over the dp x cp replicas (dense models)
+            d = topology.dp * cp
+            units = shard_unit_sizes(model, topology, pp_rank=c.pp, chunks=chunks, sequence_parallel=sequence_parallel,
+                                     layers_per_stage=layers_per_stage, placement=placement)
+            shard = sum(-(-u["numel"] // d) for u in units)
+            if stage == 2:
+                optimizer = shard * (2 * pr.state + (pr.master or pr.param))
+            else:
+                optimizer = shard * (2 * pr.state + pr.master)     # fp32: the master shard is the parameter shard
+                if reshard_after_forward:
+                    gathered = 0
+                    for ch in range(chunks):
+                        root = sum(u["numel"] for u in units if u["chunk"] == ch and u["kind"] == "root")
+                        layers = [u["numel"] for u in units if u["chunk"] == ch and u["kind"] == "layer"]
+                        gathered = max(gathered, root + sum(sorted(layers, reverse=True)[:1 + prefetch]))
+                else:
+                    gathered = n
+                param_bytes = shard * pr.param + gathered * pr.param
+        elif stage == 1:   # dense parameters sharded over the dp x cp replicas, experts over their expert-dp replicas
             dense = sum(p.numel for p in params if not p.expert)
             shard = -(-dense // (topology.dp * cp)) + (-(-(n - dense) // topology.expert_dp) if n > dense else 0)
             optimizer = shard * (2 * pr.state + (pr.master or pr.param))
@@ -346,7 +387,7 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
             else:                                 # W
                 held -= per_chunk_w[act.chunk]
             peak = max(peak, held)
-        rows.append({"rank": rank, "parameters": n * pr.param, "gradients": n * pr.grad, "optimizer": optimizer,
+        rows.append({"rank": rank, "parameters": param_bytes, "gradients": n * pr.grad, "optimizer": optimizer,
                      "activations": peak})
     df = pd.DataFrame(rows).set_index("rank")
     df["total"] = df.sum(axis=1)
@@ -359,5 +400,6 @@ def estimate_train_memory(config, *, implementation: str = "mlmkit"):
     return estimate_memory(config.model, config.topology, micro_batch_size=config.micro_batch_size,
                            microbatches=config.microbatches, schedule=config.schedule, chunks=config.chunks,
                            sequence_parallel=config.sequence_parallel, recompute=config.recompute,
-                           zero1=config.zero1, precision=config.precision, implementation=implementation,
-                           microbatch_group=config.microbatch_group)
+                           zero=config.zero, precision=config.precision, implementation=implementation,
+                           microbatch_group=config.microbatch_group, prefetch=config.prefetch,
+                           reshard_after_forward=config.reshard_after_forward)

@@ -12,7 +12,8 @@ from typing import Optional, Sequence
 from mlmkit.model.config import GPTConfig
 from mlmkit.topology import Topology
 
-__all__ = ["LocalParam", "local_parameters", "moe_parameter_counts", "stage_layout", "total_parameters"]
+__all__ = ["LocalParam", "local_parameters", "moe_parameter_counts", "shard_unit_sizes", "stage_layout",
+           "total_parameters"]
 
 
 @dataclass(frozen=True)
@@ -157,3 +158,23 @@ def moe_parameter_counts(model: GPTConfig) -> dict:
 def total_parameters(model: GPTConfig) -> int:
     """Parameters of the whole (serial) model, the tied output head counted once."""
     return sum(q.numel for q in local_parameters(model, Topology(), pp_rank=0))
+
+
+def shard_unit_sizes(model: GPTConfig, topology: Topology, *, pp_rank: int, chunks: int = 1,
+                     sequence_parallel: bool = False, layers_per_stage: Optional[Sequence[int]] = None,
+                     placement: str = "loop") -> list[dict]:
+    """The ZeRO-2/3 units of a rank (:func:`mlmkit.data_parallel.zero.shard_units`): per chunk its
+    root (embedding, final norm, head; absent when the chunk has none) and each layer, with their
+    elements: ``{"chunk", "kind": "root" | "layer", "numel"}``."""
+    out = []
+    for st in stage_layout(model, topology, pp_rank=pp_rank, chunks=chunks, layers_per_stage=layers_per_stage,
+                           placement=placement):
+        mine = local_parameters(model, topology, pp_rank=pp_rank, chunks=chunks, sequence_parallel=sequence_parallel,
+                                layers_per_stage=layers_per_stage, only_chunk=st["chunk"], placement=placement)
+        root = sum(q.numel for q in mine if not q.name.startswith("layers."))
+        if root:
+            out.append({"chunk": st["chunk"], "kind": "root", "numel": root})
+        for i in st["layers"]:
+            out.append({"chunk": st["chunk"], "kind": "layer",
+                        "numel": sum(q.numel for q in mine if q.name.startswith(f"layers.{i}."))})
+    return out

@@ -205,6 +205,8 @@ class PipelineExecutor:
         self.tracer = tracer if tracer is not None else groups.pp.tracer
         self.memory = memory
         self._attach_memory()
+        #: Called with the chunk index after each backward action (ZeRO-3 frees what it gathered).
+        self.on_backward_done = None
         self.batch_p2p = batched
         self.per_token_loss, self.ignore_index = per_token_loss, ignore_index
         self.plan: Optional[BatchPlan] = plan_batches(schedule) if self.batch_p2p else None
@@ -513,6 +515,8 @@ class PipelineExecutor:
             self._inbox[("grad", a.microbatch, prev)] = h.input_grad
             h.input_grad = None
         self._release(key)
+        if self.on_backward_done is not None:
+            self.on_backward_done(a.chunk)
 
     def _weight(self, a: Action) -> None:
         # W: the weight-gradient GEMMs B queued, dA = dY^T X per linear layer, accumulated.

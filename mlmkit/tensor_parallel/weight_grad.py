@@ -32,9 +32,10 @@ __all__ = ["WeightGradStore", "accumulate_grad", "linear"]
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
     """Add ``grad`` into the parameter's gradient as autograd would (into the fp32 ``main_grad``
     under mixed precision)."""
-    main = getattr(param, "main_grad", None)
-    if main is not None:
-        main.add_(grad)
+    if getattr(param, "mixed_precision", False):
+        if param.main_grad is None:          # freed by ZeRO-2/3 after the last reduction
+            param.main_grad = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+        param.main_grad.add_(grad)
     elif param.grad is None:
         param.grad = grad.to(param.dtype)
     else:
@@ -73,7 +74,7 @@ class WeightGradStore:
         """W: ``dA = dY^T X`` and ``db = sum(dY)`` for each queued layer, accumulated."""
         for weight, bias, x, dy2, token in work:                      # dy2: [tokens, out]
             x2 = x.reshape(-1, x.shape[-1])                          # [tokens, in]
-            if weight.grad is not None and getattr(weight, "main_grad", None) is None:
+            if weight.grad is not None and not getattr(weight, "mixed_precision", False):
                 weight.grad.addmm_(dy2.t(), x2)                      # dA += dY^T X, in place
             else:
                 accumulate_grad(weight, torch.mm(dy2.t(), x2))       # [out, in]

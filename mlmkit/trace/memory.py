@@ -57,7 +57,8 @@ class MemoryTracker:
         self.rank = rank
         self.params = list(params)
         self.optimizer = optimizer
-        self._param_storages = {p.untyped_storage().data_ptr() for p in self.params}
+        # By storage object, not address: ZeRO-3 frees and re-allocates parameter storages.
+        self._param_storages = {p.untyped_storage()._cdata for p in self.params}
         self._live: dict[int, list] = {}   # storage ptr -> [refcount, nbytes]
         self.activations = 0
         self.peak = 0
@@ -68,7 +69,7 @@ class MemoryTracker:
     def _pack(self, t: torch.Tensor):
         st = t.untyped_storage()
         ptr = st.data_ptr()
-        if ptr in self._param_storages or ptr == 0:
+        if st._cdata in self._param_storages or ptr == 0:
             return t
         entry = self._live.get(ptr)
         if entry is None:
@@ -101,7 +102,7 @@ class MemoryTracker:
         for t in tensors:
             st = t.untyped_storage()
             ptr = st.data_ptr()
-            if ptr in self._param_storages or ptr == 0:
+            if st._cdata in self._param_storages or ptr == 0:
                 continue
             entry = self._live.get(ptr)
             if entry is None:
@@ -125,7 +126,13 @@ class MemoryTracker:
 
     # -------------------------------------------------------------- snapshots
     def parameter_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.params)
+        """Bytes of the parameters as they are now (a ZeRO-3 parameter between uses holds none) and
+        of the parameter shards ZeRO-3 keeps."""
+        total = sum(min(p.numel() * p.element_size(), p.untyped_storage().nbytes()) for p in self.params)
+        shards = getattr(self.optimizer, "parameter_tensors", None)
+        if shards is not None:
+            total += sum(t.numel() * t.element_size() for t in shards())
+        return total
 
     def gradient_bytes(self) -> int:
         """Bytes of the gradients (the fp32 ``main_grad`` buffers under mixed precision)."""

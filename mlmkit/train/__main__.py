@@ -27,7 +27,12 @@ def _parse(argv):
     p.add_argument("--schedule")
     p.add_argument("--cp-split", choices=["balanced", "naive"],
                    help="how --cp divides each sequence: balanced (2cp chunks, Megatron-LM's) or naive")
-    p.add_argument("--zero1", action="store_true", default=None)
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3],
+                   help="ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters (FSDP)")
+    p.add_argument("--zero1", action="store_true", default=None, help="the same as --zero 1")
+    p.add_argument("--prefetch", type=int, choices=[0, 1], help="--zero 3: layers gathered ahead of use")
+    p.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false", default=None,
+                   help="--zero 3: keep gathered parameters until the optimizer step")
     p.add_argument("--sequence-parallel", action="store_true", default=None)
     p.add_argument("--recompute", action="store_true", default=None,
                    help="recompute activations in backward (each full layer, or --recompute-granularity)")
@@ -62,7 +67,8 @@ def build_config(args) -> TrainConfig:
     overrides = {}
     for field in ("tp", "pp", "dp", "cp", "ep", "expert_tp", "cp_split", "chunks", "micro_batch_size", "global_batch_size", "max_steps", "warmup_steps",
                   "microbatch_group",
-                  "lr", "min_lr", "grad_clip", "weight_decay", "schedule", "zero1", "sequence_parallel",
+                  "lr", "min_lr", "grad_clip", "weight_decay", "schedule", "zero", "zero1", "prefetch",
+                  "reshard_after_forward", "sequence_parallel",
                   "batch_p2p", "precision", "grad_reduce"):
         value = getattr(args, field)
         if value is not None:
@@ -127,7 +133,7 @@ def main(argv=None) -> int:
         m = cfg.model
         print(f"mlmkit.train: {cfg.topology!r}, schedule={cfg.schedule}, microbatches={cfg.microbatches}, "
               f"{m.norm}/{m.mlp}/{m.position}, heads={m.heads} kv_heads={m.num_kv_heads}, precision={cfg.precision}, "
-              f"recompute={cfg.recompute}, "
+              f"recompute={cfg.recompute}, " + (f"zero={cfg.zero}, " if cfg.zero else "")
               + (f"experts={m.experts} top_k={m.top_k}, " if m.moe else "")
               + f"steps {trainer.step}..{trainer.step + steps - 1}, device={groups.device}", flush=True)
     for _ in range(steps):

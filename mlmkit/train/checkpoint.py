@@ -108,12 +108,14 @@ def save_checkpoint(trainer, directory: str, *, keep: Optional[int] = None, _bef
     states, opt_step = trainer.optimizer.state_by_name()  # collective over dp for ZeRO-1
     c = groups.coords
     named = list(trainer.named_parameters())
+    with trainer.full_parameters():                   # ZeRO-3: gathered for the copy, freed after
+        values = {n: p.detach().cpu().clone() for n, p in named}
     dense = [(n, p) for n, p in named if not getattr(p, "expert", False)]
     expert = [(n, p) for n, p in named if getattr(p, "expert", False)]
 
     def write(file_name: str, params) -> None:
         shard = {
-            "params": {n: p.detach().cpu().clone() for n, p in params},
+            "params": {n: values[n] for n, _ in params},
             "meta": {n: _meta(p) for n, p in params},
             "optimizer": {n: {k: v.cpu() for k, v in states[n].items()} for n, _ in params if n in states},
             "optimizer_step": opt_step,
@@ -343,7 +345,8 @@ def load_checkpoint(trainer, path: str) -> int:
     raises :class:`CheckpointError` naming the file."""
     path = latest_checkpoint(path)
     try:
-        return _load(trainer, path)
+        with trainer.full_parameters():               # ZeRO-3: whole while loading, shards refreshed
+            return _load(trainer, path)
     except CheckpointError:
         raise
     except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as err:

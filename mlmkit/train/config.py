@@ -76,7 +76,16 @@ class TrainConfig:
     """Activation recomputation: ``"none"``, ``"selective"`` (the attention core, Korthikanti et al.
     2022) or ``"full"`` (each Transformer layer). ``True``/``False`` are read as full/none."""
     zero1: bool = False
-    """Shard optimizer state over dp (ZeRO-1 / distributed optimizer)."""
+    """Shard optimizer state over dp (ZeRO-1 / distributed optimizer); an alias of ``zero=1``."""
+    zero: int = 0
+    """ZeRO stage over the dp (x cp) replicas: 0 replicated, 1 optimizer state sharded, 2 also the
+    gradients, 3 also the parameters (gathered per layer when used; FSDP). See
+    :mod:`mlmkit.data_parallel.zero`."""
+    prefetch: int = 0
+    """ZeRO-3: layers gathered ahead of use (0 or 1)."""
+    reshard_after_forward: bool = True
+    """ZeRO-3: free a layer's gathered parameters after its forward (and gather it again for its
+    backward); ``False`` keeps them whole until the optimizer step."""
     bucket_bytes: int = 25 * 2**20
     """Size of the dp gradient all-reduce buckets."""
     lr: float = 3e-3
@@ -124,8 +133,22 @@ class TrainConfig:
             _check_int(name, getattr(self, name), minimum=1)
         _check_int("warmup_steps", self.warmup_steps, minimum=0)
         _check_int("seed", self.seed, minimum=0)
-        for name in ("sequence_parallel", "zero1", "tracing", "per_token_loss"):
+        for name in ("sequence_parallel", "zero1", "tracing", "per_token_loss", "reshard_after_forward"):
             _check_bool(name, getattr(self, name))
+        if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"TrainConfig: zero={self.zero!r} must be a ZeRO stage 0, 1, 2 or 3")
+        if self.zero1 and self.zero not in (0, 1):
+            raise ValueError(f"TrainConfig: zero1=True asks for stage 1 but zero={self.zero}: give only zero={self.zero}")
+        object.__setattr__(self, "zero", 1 if self.zero1 else self.zero)
+        object.__setattr__(self, "zero1", self.zero == 1)
+        if isinstance(self.prefetch, bool) or self.prefetch not in (0, 1):
+            raise ValueError(f"TrainConfig: prefetch={self.prefetch!r} must be 0 or 1 (layers gathered ahead)")
+        if self.zero < 3 and (self.prefetch or not self.reshard_after_forward):
+            raise ValueError(f"TrainConfig: prefetch and reshard_after_forward apply to zero=3 only (zero={self.zero}); "
+                             f"set zero=3 or leave them at their defaults")
+        if self.zero >= 2 and self.model.moe:
+            raise ValueError(f"TrainConfig: zero={self.zero} shards dense models only (experts={self.model.experts}); "
+                             f"use zero=1 with a mixture of experts")
         if isinstance(self.recompute, bool):       # the old flag: full or none
             object.__setattr__(self, "recompute", "full" if self.recompute else "none")
         if self.recompute not in ("none", "selective", "full"):
@@ -197,6 +220,10 @@ class TrainConfig:
         """A copy with some fields changed (``model`` may be given as a dict of GPTConfig changes)."""
         if isinstance(changes.get("model"), dict):
             changes["model"] = replace(self.model, **changes["model"])
+        if "zero" in changes and "zero1" not in changes:       # the stage wins over the old alias
+            changes["zero1"] = False
+        elif "zero1" in changes and "zero" not in changes:
+            changes["zero"] = 1 if changes["zero1"] else 0
         return replace(self, **changes)
 
     # ------------------------------------------------------------------ (de)serialisation

@@ -15,12 +15,13 @@ One step (:meth:`Trainer.train_step`):
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Optional
 
 import torch
 
-from mlmkit.data_parallel import attach_main_grads, dtype_of, make_optimizer
+from mlmkit.data_parallel import Zero3Hooks, attach_main_grads, dtype_of, make_optimizer, shard_units
 from mlmkit.distributed import ProcessGroups
 from mlmkit.model.gpt import moe_layers
 from mlmkit.pipeline import make_schedule
@@ -62,7 +63,8 @@ class Trainer:
         if config.precision != "fp32":
             attach_main_grads(p for _, p in named)      # fp32 gradients, accumulated across microbatches
         self.optimizer = make_optimizer(
-            named, groups, zero1=config.zero1, bucket_bytes=config.bucket_bytes,
+            named, groups, zero=config.zero, bucket_bytes=config.bucket_bytes,
+            units=shard_units(self.chunks) if config.zero >= 2 else None,
             betas=(config.beta1, config.beta2), eps=config.eps, weight_decay=config.weight_decay,
             max_grad_norm=config.grad_clip, grad_reduce_dtype=dtype_of(config.grad_reduce))
         self.memory = (MemoryTracker(rank=groups.rank, params=[p for _, p in named], optimizer=self.optimizer)
@@ -70,6 +72,12 @@ class Trainer:
         self.executor = PipelineExecutor(schedule=self.schedule, chunks=self.chunks, groups=groups,
                                          tracer=self.tracer, memory=self.memory, batch_p2p=config.batch_p2p,
                                          per_token_loss=config.per_token_loss)
+        self.zero3: Optional[Zero3Hooks] = None
+        if config.zero == 3:      # gather each layer when used, free it after (mlmkit.data_parallel.zero)
+            self.zero3 = Zero3Hooks(self.optimizer, self.chunks, prefetch=config.prefetch,
+                                    reshard_after_forward=config.reshard_after_forward).attach()
+            self.zero3.memory = self.memory
+            self.executor.on_backward_done = self.zero3.backward_done
         self.data = TextData(seq_len=config.model.seq_len, path=config.corpus, seed=config.seed)
         self.step = 0
         self.history: list[dict] = []
@@ -103,6 +111,8 @@ class Trainer:
         unless the failure hit during the optimizer update (then :attr:`updating` stays True)."""
         self.executor.abandon()
         self.optimizer.zero_grad()
+        if self.zero3 is not None:
+            self.zero3.reset()
 
     def finish_step(self) -> dict:
         """After the schedule ran: optimizer step and metrics (collective over the world)."""
@@ -204,10 +214,16 @@ class Trainer:
         for c in self.chunks:
             yield from c.named_parameters()
 
+    def full_parameters(self):
+        """A context in which every parameter is whole (ZeRO-3 gathers them; collective over the
+        replicas); elsewhere a no-op. Wrap reads and writes of the weights between steps."""
+        materialized = getattr(self.optimizer, "materialized", None)
+        return materialized() if materialized is not None else contextlib.nullcontext()
+
     def __repr__(self) -> str:
         c = self.config
         return (f"Trainer(rank={self.groups.rank}, {c.topology!r}, schedule={c.schedule}, step={self.step}, "
-                f"zero1={c.zero1}, sp={c.sequence_parallel}, recompute={c.recompute}, precision={c.precision})")
+                f"zero={c.zero}, sp={c.sequence_parallel}, recompute={c.recompute}, precision={c.precision})")
 
 
 def traced_step(rank: int, world_size: int, config_dict: dict, warmup_steps: int = 1) -> dict:
