@@ -251,3 +251,18 @@ def test_state_lost_is_said_never_silent(harness):
     assert abs(bare.step()["loss"] - harness.ref_loss(0)) <= 1e-6 * harness.ref_loss(0)   # a clean restart
     bare.close()
     harness.check_next_step()                # the other session recovered its own last step
+
+
+# ZeRO-3: a failure while layers are gathered (or a gradient half reduced) must leave the next step
+# exact: the abandoned step's gathered parameters and partial shards are dropped on every rank.
+ZERO3_CFG = TrainConfig(model=GPTConfig(vocab_size=256, seq_len=16, hidden=32, heads=4, layers=4), pp=2, dp=2,
+                        zero=3, prefetch=1, micro_batch_size=2, global_batch_size=8, max_steps=200)
+ZERO3_SWEEP = [(rank, point) for rank in (1, 2) for point in _points(rank, ZERO3_CFG)]
+
+
+def test_zero3_recovers_from_a_failure_at_every_action_index():
+    cluster = Cluster(topology=ZERO3_CFG.topology, timeout_s=TIMEOUT_S, grace_s=2.0)
+    with cluster:
+        h = Harness(cluster, ZERO3_CFG, ref_steps=len(ZERO3_SWEEP) + 2)
+        h.check_next_step()
+        _raise_everywhere(h, ZERO3_SWEEP)

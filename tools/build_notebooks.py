@@ -582,8 +582,8 @@ its `1/d` shard; it is **all-gathered right before its forward, freed after it, 
 before its backward** and freed once that has passed. The unit is one Transformer layer (and the
 rest of the model: embedding, final norm, head). The price is bytes: with one microbatch, ZeRO-3
 moves `3 (d−1)/d` of the parameters per step where data parallelism moves `2 (d−1)/d`: **1.5×**.
-mlmkit reduces gradients once per step (after the last microbatch), as torch's pipelining runtime
-does with FSDP, so they are whole during backward.
+Gradients are reduced once per step: each layer's right after its last backward of the step (with
+several microbatches they are whole until then, as with torch's pipelining runtime and FSDP).
 
 Four replicas (dp = 4), one microbatch each, the four stages side by side:
 """),

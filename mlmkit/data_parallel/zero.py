@@ -6,10 +6,11 @@ A **unit** is one Transformer layer, or the rest of a model chunk (embedding, fi
 ``[N_u]``, zero-padded to ``d * ceil(N_u / d)`` and cut in ``d`` contiguous shards (``d`` = the
 replicas: the dp-cp group). Rank ``r`` owns shard ``r``: its fp32 master copy and Adam moments.
 
-Stage 2 (:class:`FullyShardedAdamW` with ``stage=2``): parameters stay whole. At the optimizer step
-each unit's gradient ``[N_u]`` is reduce-scattered (rank ``r`` receives the sum of shard ``r``) and
-the unit's full gradient is freed before the next unit is reduced; each rank updates its shard, and
-the updated shards are all-gathered back into the parameters, unit by unit.
+Stage 2 (:class:`FullyShardedAdamW` with ``stage=2``): parameters stay whole. Once a layer's last
+backward of the step has passed, its gradient ``[N_u]`` is reduce-scattered (rank ``r`` receives
+the sum of shard ``r``) and the whole gradient is freed, while the backward goes on through the
+layers before it (FSDP's post-backward reduce-scatter); each rank updates its shard, and the
+updated shards are all-gathered back into the parameters, unit by unit.
 
 Stage 3 (``stage=3``): between uses a parameter holds no memory (its storage is resized to 0; its
 shape stays); rank ``r`` keeps the unit's shard in the parameters' dtype. :class:`Zero3Hooks`
@@ -33,11 +34,14 @@ gathers ``2m`` times (``reshard_after_forward``) or once, and reduce-scatters on
 reduce-scatter once and all-gather once. With ``m = 1`` stage 3 moves ``3 (d-1)/d`` of the unit
 against plain data parallelism's ``2 (d-1)/d``: 1.5x (the ZeRO paper's figure).
 
-Gradients are reduced **once per step**, after the last microbatch (as torch's pipelining runtime
-does with FSDP: no gradient sync until the last microbatch), so gradients are whole during the
-backward passes and each unit's is freed as soon as its shard is reduced. The gradient sums that
-need whole gradients (sequence-parallel norms over tp, the tied embedding between stages) run
-before, in the executor's finalisation, exactly as without sharding.
+Gradients are reduced **once per step**, in the last backward of each layer (as torch's pipelining
+runtime does with FSDP: no gradient sync before the last microbatch), so with several microbatches
+they are whole until then; each layer's is freed as soon as its shard is reduced. Just before, the
+layer's sequence-parallel and replicated key/value gradients are summed over tp (what the
+executor's finalisation does for whole chunks). The root's gradient is reduced at the optimizer
+step, after the finalisation (the tied embedding is summed between the first and last stage
+first), and so is every unit's under a split backward (zero-bubble schedules: the weight
+gradients come later, in W).
 
 Forward: every number is the unsharded model's (a gathered parameter is bit-identical to the
 replicated one). Backward: the reduce-scatter sums exactly what the all-reduce of plain data
@@ -59,19 +63,19 @@ from mlmkit.tensor_parallel.layers import param_grad
 __all__ = ["FullyShardedAdamW", "ShardedUnit", "Zero3Hooks", "shard_units"]
 
 
-def shard_units(chunks: Sequence[nn.Module]) -> list[tuple[str, int, list[tuple[str, nn.Parameter]]]]:
+def shard_units(chunks: Sequence[nn.Module]) -> list[tuple[str, int, list[tuple[str, nn.Parameter]], Optional[nn.Module]]]:
     """The units of ``chunks`` (model chunks, :class:`mlmkit.model.GPT`): ``(name, chunk, named
-    parameters)``, root first then each layer, in the order the forward uses them."""
+    parameters, layer module or None for the root)``, root first then each layer."""
     units = []
     for c, chunk in enumerate(chunks):
         layer_params = {id(p) for layer in chunk.layers.values() for p in layer.parameters()}
         root = [(n, p) for n, p in chunk.named_parameters() if id(p) not in layer_params and p.requires_grad]
         if root:
-            units.append((f"chunk{c}.root", c, root))
+            units.append((f"chunk{c}.root", c, root, None))
         for key, layer in chunk.layers.items():
             named = [(f"layers.{key}.{n}", p) for n, p in layer.named_parameters() if p.requires_grad]
             if named:
-                units.append((f"chunk{c}.layers.{key}", c, named))
+                units.append((f"chunk{c}.layers.{key}", c, named, layer))
     return units
 
 
@@ -86,8 +90,10 @@ class ShardedUnit:
         counted: whether a parameter's elements count towards the global gradient norm.
     """
 
-    def __init__(self, name: str, named_params, group: CommGroup, *, stage: int, counted: Callable):
-        self.name, self.group, self.stage = name, group, stage
+    def __init__(self, name: str, named_params, group: CommGroup, *, stage: int, counted: Callable,
+                 module: Optional[nn.Module] = None):
+        self.name, self.group, self.stage, self.module = name, group, stage, module
+        self.passes = 0                      # backward passes through this unit in the current step
         self.named = list(named_params)
         self.params = [p for _, p in self.named]
         self.dtype = self.params[0].dtype
@@ -190,18 +196,19 @@ class FullyShardedAdamW(_Base):
     """AdamW over :class:`ShardedUnit` s: ZeRO stage 2 or 3 (module docstring).
 
     Args:
-        units: ``(name, chunk, named parameters)`` from :func:`shard_units`.
+        units: ``(name, chunk, named parameters, module)`` from :func:`shard_units`.
         stage: 2 or 3.
     """
 
     def __init__(self, units, groups, *, stage: int, **kw):
-        named = [(n, p) for _, _, ps in units for n, p in ps]
+        named = [(n, p) for _, _, ps, _ in units for n, p in ps]
         super().__init__(named, groups, **kw)
         if stage not in (2, 3):
             raise ValueError(f"FullyShardedAdamW: stage={stage!r} must be 2 or 3")
         self.stage = stage
-        self.units = [ShardedUnit(name, ps, self.reduce, stage=stage, counted=self.counted) for name, _, ps in units]
-        self.chunk_of = {u.name: c for u, (_, c, _) in zip(self.units, units)}
+        self.units = [ShardedUnit(name, ps, self.reduce, stage=stage, counted=self.counted, module=module)
+                      for name, _, ps, module in units]
+        self.chunk_of = {u.name: c for u, (_, c, _, _) in zip(self.units, units)}
         self.opt = torch.optim.AdamW([u.master for u in self.units], lr=0.0, **self.hyper)
         self.memory = None
         if stage == 3:
@@ -210,8 +217,23 @@ class FullyShardedAdamW(_Base):
 
     # ------------------------------------------------------------------ one step
     def reduce_grads(self) -> None:
+        """At the optimizer step: every unit not reduced during the backward."""
         for u in self.units:
-            u.reduce_grads(divisor=self.divisor, reduce_dtype=self.grad_reduce_dtype, label=self.label)
+            if u.shard_grad is None:
+                u.reduce_grads(divisor=self.divisor, reduce_dtype=self.grad_reduce_dtype, label=self.label)
+
+    def reduce_in_backward(self, unit: ShardedUnit, tp: CommGroup) -> None:
+        """A layer's last backward of the step has passed: sum its tp-partial gradients over tp
+        (sequence parallelism, replicated key/value heads), then reduce-scatter it and free it."""
+        from mlmkit.tensor_parallel import sync_replicated_grads, sync_sequence_parallel_grads
+
+        sync_sequence_parallel_grads(unit.module, tp)
+        sync_replicated_grads(unit.module, tp)
+        unit.reduce_grads(divisor=self.divisor, reduce_dtype=self.grad_reduce_dtype, label=self.label)
+
+    def gradient_tensors(self) -> list[torch.Tensor]:
+        """The reduced gradient shards held until the update (memory accounting)."""
+        return [u.shard_grad for u in self.units if u.shard_grad is not None]
 
     def local_sumsq(self) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float64, device=self.groups.device)
@@ -237,6 +259,7 @@ class FullyShardedAdamW(_Base):
                 p.main_grad = None                 # allocated again by the first accumulation
         for u in self.units:
             u.shard_grad = None
+            u.passes = 0
 
     def release(self) -> None:
         """Stage 3: free every unit (after an abandoned step)."""
@@ -314,12 +337,22 @@ class FullyShardedAdamW(_Base):
 
 
 class Zero3Hooks:
-    """Gathers and frees stage-3 units around their use (module docstring). Install with
-    :meth:`attach`; the executor calls :meth:`backward_done` after each backward action."""
+    """Gathers and frees stage-3 units around their use, and reduces a layer's gradient once its
+    last backward of the step has passed (stages 2 and 3; module docstring). Install with
+    :meth:`attach`; the executor calls :meth:`backward_done` after each backward action.
+
+    Args:
+        microbatches: backward passes per chunk and step (the last one reduces).
+        tp: the tensor-parallel group (its partial gradients are summed before the reduction).
+        reduce_in_backward: ``False`` under a split backward (the weight gradients come in W):
+            everything is then reduced at the optimizer step.
+    """
 
     def __init__(self, optimizer: FullyShardedAdamW, chunks: Sequence[nn.Module], *, prefetch: int = 0,
-                 reshard_after_forward: bool = True):
+                 reshard_after_forward: bool = True, microbatches: int = 1, tp: Optional[CommGroup] = None,
+                 reduce_in_backward: bool = True):
         self.opt, self.chunks = optimizer, list(chunks)
+        self.microbatches, self.tp, self.reduce_in_backward = microbatches, tp, reduce_in_backward
         self.prefetch, self.reshard = prefetch, reshard_after_forward
         by_name = {u.name: u for u in optimizer.units}
         self.root = {c: by_name.get(f"chunk{c}.root") for c in range(len(self.chunks))}
@@ -369,8 +402,10 @@ class Zero3Hooks:
             x = args[0] if args else None
             if torch.is_tensor(x) and x.requires_grad and torch.is_grad_enabled() and not units[i].in_backward:
                 # The gradient of this layer's input: its backward has passed; the layer before
-                # (if any) runs next.
-                x.register_hook(self._backward_boundary(c, i))
+                # (if any) runs next. An input that is a leaf (a received activation) gets its
+                # gradient as its own accumulation, possibly before this layer's weights get
+                # theirs: the layer is then reduced at the end of the backward action.
+                x.register_hook(self._backward_boundary(c, i, leaf=x.grad_fn is None))
         return hook
 
     def _layer_post(self, c, i):
@@ -395,17 +430,29 @@ class Zero3Hooks:
                     self._enter_backward(self.layers[c][i - 1])
         return hook
 
-    def _backward_boundary(self, c, i):
-        # Layer i's input gradient is ready: free layer i, gather layer i-1 (whose output it is).
+    def _backward_boundary(self, c, i, leaf: bool):
+        # Layer i's input gradient is ready: its weights' gradients are complete (an accumulation
+        # runs as soon as it is ready, before any other node); reduce it after the step's last
+        # pass, free layer i, gather layer i-1 (whose output it is).
         def hook(grad):
             units = self.layers[c]
+            unit = units[i]
+            unit.passes += 1
+            if not leaf:
+                self._maybe_reduce(unit)
             if self.reshard:
-                units[i].free()
+                unit.free()
             if i > 0:
                 self._enter_backward(units[i - 1])
                 if self.prefetch and i > 1:
                     self._enter_backward(units[i - 2])
         return hook
+
+    def _maybe_reduce(self, unit) -> None:
+        if self.reduce_in_backward and unit.passes == self.microbatches and unit.shard_grad is None:
+            if self.memory is not None:      # the moment this layer's whole gradient is largest
+                self.memory.record(action=f"reduce {unit.name}", microbatch=-1)
+            self.opt.reduce_in_backward(unit, self.tp)
 
     def _enter_backward(self, unit) -> None:
         if unit is None:
@@ -415,7 +462,9 @@ class Zero3Hooks:
 
     def backward_done(self, chunk: int) -> None:
         """End of a backward action on ``chunk``: free what is still whole (the root, a layer whose
-        input needed no gradient)."""
+        input needed no gradient) and reduce a first layer whose input was a leaf."""
+        for unit in self.layers[chunk]:
+            self._maybe_reduce(unit)
         for unit in [self.root[chunk], *self.layers[chunk]]:
             if unit is not None:
                 unit.in_backward = False

@@ -309,7 +309,8 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
     ``zero`` (``zero1=True`` is 1): 2 and 3 shard unit by unit (:mod:`mlmkit.data_parallel.zero`),
     each unit padded to a multiple of the replicas; under 3 ``parameters`` is the shards plus the
     most that is gathered at once (the chunk's root and ``1 + prefetch`` layers, or every unit
-    with ``reshard_after_forward=False``); gradients are whole until the step's reduction.
+    with ``reshard_after_forward=False``); gradients are whole until a layer's last backward of the
+    step has passed, then an fp32 shard (whole until the update under a split backward).
     """
     import pandas as pd
 
@@ -331,7 +332,7 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
                                   ep_rank=topology.expert_coords(rank).ep)
         n = sum(p.numel for p in params)
         stage = (1 if zero1 else 0) if zero is None else zero
-        param_bytes = n * pr.param
+        param_bytes, grad_bytes = n * pr.param, n * pr.grad
         if stage >= 2:   # unit by unit over the dp x cp replicas (dense models)
             d = topology.dp * cp
             units = shard_unit_sizes(model, topology, pp_rank=c.pp, chunks=chunks, sequence_parallel=sequence_parallel,
@@ -350,6 +351,9 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
                 else:
                     gathered = n
                 param_bytes = shard * pr.param + gathered * pr.param
+            if not sched.split_backward:
+                grad_bytes = _sharded_grad_peak(units, sched.compute_actions(c.pp), chunks=chunks, d=d,
+                                                m=microbatches, G=pr.grad)
         elif stage == 1:   # dense parameters sharded over the dp x cp replicas, experts over their expert-dp replicas
             dense = sum(p.numel for p in params if not p.expert)
             shard = -(-dense // (topology.dp * cp)) + (-(-(n - dense) // topology.expert_dp) if n > dense else 0)
@@ -387,11 +391,52 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
             else:                                 # W
                 held -= per_chunk_w[act.chunk]
             peak = max(peak, held)
-        rows.append({"rank": rank, "parameters": param_bytes, "gradients": n * pr.grad, "optimizer": optimizer,
+        rows.append({"rank": rank, "parameters": param_bytes, "gradients": grad_bytes, "optimizer": optimizer,
                      "activations": peak})
     df = pd.DataFrame(rows).set_index("rank")
     df["total"] = df.sum(axis=1)
     return df
+
+
+def _sharded_grad_peak(units: list[dict], actions, *, chunks: int, d: int, m: int, G: int) -> int:
+    """The most gradient bytes a ZeRO-2/3 rank holds at once (:mod:`mlmkit.data_parallel.zero`):
+    gradients accumulate whole over a chunk's backward passes; in its last one each layer is
+    reduced to an fp32 shard once its backward has passed (a chunk's first layer whose input is a
+    received activation, at the end of the pass); roots at the optimizer step."""
+    per = {c: {"root": 0, "post": 0, "layers": [], "pre": False} for c in range(chunks)}
+    for u in units:
+        ch = per[u["chunk"]]
+        ch["pre"] = u["pre_process"]
+        if u["kind"] == "root":
+            ch["root"], ch["post"] = u["numel"], u["post_numel"]
+        else:
+            ch["layers"].append(u["numel"])
+    shard = {c: [-(-n // d) * 4 for n in ch["layers"]] for c, ch in per.items()}     # fp32 shard gradients
+    whole = {c: (ch["root"] + sum(ch["layers"])) * G for c, ch in per.items()}
+    passes = {c: 0 for c in per}
+    state = {c: 0 for c in per}              # gradient bytes of each chunk at the end of the last action
+    peak = 0
+    for act in actions:
+        if act.kind != "B":
+            continue
+        c = act.chunk
+        passes[c] += 1
+        if passes[c] < m:
+            state[c] = whole[c]
+            peak = max(peak, sum(state.values()))
+            continue
+        others = sum(v for k, v in state.items() if k != c)
+        ch, L, S = per[c], per[c]["layers"], shard[c]
+        root = ch["root"] if m > 1 else ch["post"]
+        k = len(L)
+        for i in range(k - 1, -1, -1):        # the moment before layer i is reduced
+            before = sum(L[:i]) if m > 1 else 0
+            if i == 0 and not ch["pre"]:       # reduced at the end of the pass: everything else has run
+                root, before = ch["root"], 0
+            peak = max(peak, others + (root + before + L[i]) * G + sum(S[i + 1:]))
+        state[c] = ch["root"] * G + sum(S)
+        peak = max(peak, sum(state.values()))
+    return peak
 
 
 def estimate_train_memory(config, *, implementation: str = "mlmkit"):

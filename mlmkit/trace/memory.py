@@ -141,6 +141,9 @@ class MemoryTracker:
             g = param_grad(p)
             if g is not None:
                 total += g.numel() * g.element_size()
+        shards = getattr(self.optimizer, "gradient_tensors", None)     # ZeRO-2/3: reduced shards
+        if shards is not None:
+            total += sum(t.numel() * t.element_size() for t in shards())
         return total
 
     def optimizer_bytes(self) -> int:

@@ -149,6 +149,7 @@ def main(argv=None) -> int:
     if rank == 0 and args.metrics_out:
         trainer.metrics().to_csv(args.metrics_out, index=False)
     if torch.distributed.is_initialized():
+        torch.distributed.barrier()          # nobody closes its connections while a peer still reads
         torch.distributed.destroy_process_group()
     return 0
 

@@ -73,9 +73,12 @@ class Trainer:
                                          tracer=self.tracer, memory=self.memory, batch_p2p=config.batch_p2p,
                                          per_token_loss=config.per_token_loss)
         self.zero3: Optional[Zero3Hooks] = None
-        if config.zero == 3:      # gather each layer when used, free it after (mlmkit.data_parallel.zero)
+        if config.zero >= 2:      # reduce each layer's gradient after its last backward; ZeRO-3: gather
+            #                       each layer when used, free it after (mlmkit.data_parallel.zero)
             self.zero3 = Zero3Hooks(self.optimizer, self.chunks, prefetch=config.prefetch,
-                                    reshard_after_forward=config.reshard_after_forward).attach()
+                                    reshard_after_forward=config.reshard_after_forward,
+                                    microbatches=config.microbatches, tp=groups.tp,
+                                    reduce_in_backward=not self.schedule.split_backward).attach()
             self.zero3.memory = self.memory
             self.executor.on_backward_done = self.zero3.backward_done
         self.data = TextData(seq_len=config.model.seq_len, path=config.corpus, seed=config.seed)
