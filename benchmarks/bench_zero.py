@@ -2,15 +2,18 @@
 the root), same model, same data, dp=2 on CPU/gloo (one thread per rank).
 
 mlmkit: ``Trainer`` with ``zero=3`` (tracing off): each layer all-gathered before its forward and
-before its backward, freed after; gradients reduce-scattered once per step; AdamW on the fp32
-shards. Baseline: the same Transformer written in plain PyTorch (:class:`mlmkit.model.reference.PlainTransformer`)
-with ``fully_shard`` on every block and on the model, and ``torch.optim.AdamW`` on its sharded
-parameters. Both: fp32, no gradient clipping, one microbatch per rank and step.
+before its backward, freed after; each layer's gradient reduce-scattered after its backward; AdamW
+on the fp32 shards. Baseline: the same model (mlmkit's serial :class:`~mlmkit.model.GPT`, the same
+module code, so only the sharding differs) with ``fully_shard`` on every layer and on the model,
+and ``torch.optim.AdamW`` on its sharded parameters. Both: fp32, no gradient clipping, one
+microbatch per rank and step, the same samples (the first losses are checked equal); both
+compute the global gradient norm and the mean loss over the ranks, as the trainer reports them.
 
 Step time: whole optimizer steps, the two sides alternating step by step on the same two ranks
 (median of per-step ratios). Peak memory: the rise of each rank's resident set over one step
 (``VmHWM`` reset through ``/proc/self/clear_refs``), above what the process held before the model
-was built; the same instrument for both sides, so allocator effects count alike.
+was built, each side alone in fresh processes, with glibc returning every block over 64 KiB to the
+system at once (glibc's ``mallopt(M_MMAP_THRESHOLD)``) so that the resident set follows live memory.
 """
 
 from __future__ import annotations
@@ -44,15 +47,27 @@ def _reset_peak() -> bool:
         return False
 
 
+def _fsdp2_model():
+    """mlmkit's serial GPT (same seed, so the same weights as the trainer's) under FSDP2."""
+    from torch.distributed.fsdp import fully_shard
+
+    from mlmkit.model import GPT
+
+    torch.manual_seed(0)
+    model = GPT(MODEL)
+    for layer in model.layers.values():
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
 def _run(rank, world_size, reps):
     import gc
 
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
 
     from mlmkit import Topology
     from mlmkit.distributed import ProcessGroups
-    from mlmkit.model.reference import PlainTransformer
     from mlmkit.train import TrainConfig
     from mlmkit.train.trainer import Trainer
 
@@ -62,13 +77,7 @@ def _run(rank, world_size, reps):
     groups = ProcessGroups.build(Topology(dp=2))
     trainer = Trainer(cfg, groups=groups)
 
-    torch.manual_seed(0)
-    plain = PlainTransformer(MODEL)
-    with trainer.full_parameters():
-        plain.load_mlmkit({n: p.detach() for n, p in trainer.named_parameters()})
-    for block in plain.blocks:
-        fully_shard(block)
-    fully_shard(plain)
+    plain = _fsdp2_model()
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                             weight_decay=cfg.weight_decay)
     step = [0]
@@ -86,7 +95,11 @@ def _run(rank, world_size, reps):
         dist.barrier()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        plain(tokens[mine], targets[mine]).backward()
+        loss = plain(tokens[mine], targets[mine])
+        loss.backward()
+        # what the trainer reports too: the global gradient norm and the mean loss
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), float("inf"))
+        dist.all_reduce(loss.detach().reshape(1).double())
         opt.step()
         return _max(time.perf_counter() - t0)
 
@@ -116,15 +129,16 @@ def _memory(rank, world_size, side):
     import gc
 
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
 
     from mlmkit import Topology
     from mlmkit.distributed import ProcessGroups
-    from mlmkit.model.reference import PlainTransformer
     from mlmkit.train import TrainConfig
     from mlmkit.train.data import TextData
     from mlmkit.train.trainer import Trainer
 
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)     # M_MMAP_THRESHOLD: big blocks go back at once
     torch.set_num_threads(1)
     cfg = TrainConfig(model=MODEL, dp=2, zero=3, micro_batch_size=MBS, global_batch_size=2 * MBS, grad_clip=0.0,
                       tracing=False, lr=1e-3, warmup_steps=0, max_steps=1000)
@@ -138,11 +152,7 @@ def _memory(rank, world_size, side):
         trainer = Trainer(cfg, groups=groups)
         step = trainer.train_step
     else:
-        torch.manual_seed(0)
-        plain = PlainTransformer(MODEL)
-        for block in plain.blocks:
-            fully_shard(block)
-        fully_shard(plain)
+        plain = _fsdp2_model()
         opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
         mine = slice(rank * MBS, (rank + 1) * MBS)
 
@@ -162,11 +172,9 @@ def _memory(rank, world_size, side):
 def _check_losses(rank, world_size):
     # Same weights and data: mlmkit's ZeRO-3 and FSDP2's first loss agree.
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
 
     from mlmkit import Topology
     from mlmkit.distributed import ProcessGroups
-    from mlmkit.model.reference import PlainTransformer
     from mlmkit.train import TrainConfig
     from mlmkit.train.trainer import Trainer
 
@@ -174,12 +182,7 @@ def _check_losses(rank, world_size):
     cfg = TrainConfig(model=MODEL, dp=2, zero=3, micro_batch_size=MBS, global_batch_size=2 * MBS, grad_clip=0.0,
                       tracing=False)
     trainer = Trainer(cfg, groups=ProcessGroups.build(Topology(dp=2)))
-    plain = PlainTransformer(MODEL)
-    with trainer.full_parameters():
-        plain.load_mlmkit({n: p.detach() for n, p in trainer.named_parameters()})
-    for block in plain.blocks:
-        fully_shard(block)
-    fully_shard(plain)
+    plain = _fsdp2_model()
     tokens, targets = trainer.data.batch(0, cfg.global_batch_size)
     mine = slice(rank * MBS, (rank + 1) * MBS)
     theirs = plain(tokens[mine], targets[mine]).detach().reshape(1).double()

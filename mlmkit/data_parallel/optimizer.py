@@ -114,6 +114,30 @@ class _Base:
         return norm
 
 
+def counted_spans(params, counted, start: int, size: int) -> list[tuple[int, int]]:
+    """``[(a, b), ...]``: the stretches ``[a, b)`` of the shard ``[start, start + size)`` of the
+    flattened ``params`` whose elements count towards the global gradient norm (padding never
+    does). Spans, not a mask: no memory the size of the shard."""
+    spans, offset = [], 0
+    for p in params:
+        a, b = max(offset, start), min(offset + p.numel(), start + size)
+        if a < b and counted(p):
+            if spans and spans[-1][1] == a - start:
+                spans[-1] = (spans[-1][0], b - start)
+            else:
+                spans.append((a - start, b - start))
+        offset += p.numel()
+    return spans
+
+
+def shard_sumsq(grad: torch.Tensor, spans) -> torch.Tensor:
+    """Sum of squares (fp64) of ``grad`` over ``spans``."""
+    total = torch.zeros((), dtype=torch.float64, device=grad.device)
+    for a, b in spans:
+        total += grad[a:b].double().pow(2).sum()
+    return total
+
+
 def global_norm(sumsqs: Sequence[torch.Tensor], groups: ProcessGroups) -> float:
     """The job's gradient norm from each part's local share (one all-reduce over the world)."""
     total = torch.stack([s.double().reshape(()) for s in sumsqs]).sum() if sumsqs else \
@@ -212,10 +236,8 @@ class ShardedAdamW(_Base):
         self.start = self.reduce.rank * self.shard_size
         flat = self._flat([p.detach().float() for p in self.params])
         self.shard = nn.Parameter(flat[self.start:self.start + self.shard_size].clone())   # fp32 master shard
-        # 1 where this element counts towards the global gradient norm, else 0 (module grads).
-        counts = self._flat([torch.full_like(p, 1.0, dtype=torch.float32) if self.counted(p)
-                             else torch.zeros_like(p, dtype=torch.float32) for p in self.params])
-        self.count_mask = counts[self.start:self.start + self.shard_size]
+        # the stretches of the shard whose elements count towards the global gradient norm
+        self.counted_spans = counted_spans(self.params, self.counted, self.start, self.shard_size)
         self.opt = torch.optim.AdamW([self.shard], lr=0.0, **self.hyper)
 
     def params_loaded(self) -> None:
@@ -246,7 +268,7 @@ class ShardedAdamW(_Base):
         self._shard_grad = shard_grad / self.divisor                  # [shard_size], averaged
 
     def local_sumsq(self) -> torch.Tensor:
-        return (self._shard_grad.double().pow(2) * self.count_mask.double()).sum()
+        return shard_sumsq(self._shard_grad, self.counted_spans)
 
     def apply(self, *, lr: float, coef: float) -> None:
         dp = self.reduce

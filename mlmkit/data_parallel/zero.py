@@ -56,7 +56,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from mlmkit.data_parallel.optimizer import _STATE_KEYS, _Base
+from mlmkit.data_parallel.optimizer import _STATE_KEYS, _Base, counted_spans, shard_sumsq
 from mlmkit.distributed import CommGroup
 from mlmkit.tensor_parallel.layers import param_grad
 
@@ -108,8 +108,7 @@ class ShardedUnit:
         self.shared = stage == 3 and self.dtype == torch.float32      # the master shard is the parameter shard
         if stage == 3:
             self.param_shard = self.master.detach() if self.shared else self.master.detach().to(self.dtype)
-        counts = self.flat([torch.full(p.shape, 1.0 if counted(p) else 0.0, device=p.device) for p in self.params])
-        self.count_mask = counts[self.start:self.start + self.shard_size]
+        self.counted_spans = counted_spans(self.params, counted, self.start, self.shard_size)
         self.gathered = True
         self.in_backward = False
         self.shard_grad: Optional[torch.Tensor] = None
@@ -238,7 +237,7 @@ class FullyShardedAdamW(_Base):
     def local_sumsq(self) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float64, device=self.groups.device)
         for u in self.units:
-            total = total + (u.shard_grad.double().pow(2) * u.count_mask.double()).sum()
+            total = total + shard_sumsq(u.shard_grad, u.counted_spans)
         return total
 
     def apply(self, *, lr: float, coef: float) -> None:
