@@ -123,8 +123,10 @@ def _message_key(schedule: Schedule, rank: int, a: Action) -> tuple:
     return ("gradient", a.microbatch, vs + 1)  # RECV_GRAD
 
 
-def dry_run(schedule: Schedule, costs: Costs, *, ordered: bool = False) -> list[tuple]:
+def dry_run(schedule: Schedule, costs: Costs, *, ordered: bool = False, compute_only: bool = False) -> list[tuple]:
     """Run the schedule's actions on modelled time. Returns rows (rank, index, action, start, end).
+
+    ``compute_only``: rows of compute actions only (what :func:`simulate` keeps; faster).
 
     Raises :class:`ScheduleError` on a deadlock (every unfinished rank waits for a message that is
     never sent), on a message that is sent but never received and, with ``ordered`` (no tags), on a
@@ -137,48 +139,88 @@ def dry_run(schedule: Schedule, costs: Costs, *, ordered: bool = False) -> list[
     tagged: dict[tuple[int, int], dict] = {}          # tagged: per channel, messages by identity
     rows: list[tuple] = []
     hop = costs.message_time()
-    progress = True
-    while progress:
-        progress = False
-        for r in range(p):
-            acts = schedule.actions[r]
-            while idx[r] < len(acts):
-                a = acts[idx[r]]
-                if a.kind.startswith("SEND"):
-                    msg = (_message_key(schedule, r, a), clock[r] + hop, idx[r], a)
-                    fifo.setdefault((r, a.peer), deque()).append(msg)
-                    tagged.setdefault((r, a.peer), {})[msg[0]] = msg
-                    rows.append((r, idx[r], a, clock[r], clock[r]))
-                elif a.kind.startswith("RECV"):
-                    expected = _message_key(schedule, r, a)
-                    channel = (a.peer, r)
-                    if ordered:
-                        box = fifo.get(channel)
-                        if not box:
-                            break  # blocked: nothing has arrived from the peer yet
-                        key, arrival, s_idx, s_act = box[0]
-                        if key != expected:
-                            raise ScheduleError(
-                                f"would receive {s_act} (rank {a.peer}'s action #{s_idx}) instead of the message it "
-                                f"expects: without tags, messages between rank {a.peer} and rank {r} must be received "
-                                f"in the order they are sent", rank=r, index=idx[r], action=a)
-                        box.popleft()
-                        del tagged[channel][key]
-                    else:
-                        msg = tagged.get(channel, {}).pop(expected, None)
-                        if msg is None:
-                            break  # blocked: this message has not been sent yet
-                        key, arrival, s_idx, s_act = msg
-                        fifo[channel].remove(msg)
-                    start = clock[r]
-                    clock[r] = max(clock[r], arrival)
-                    rows.append((r, idx[r], a, start, clock[r]))
+    # Per rank, each action once: (code, message key or duration, channel); 0 send, 1 receive, 2 compute.
+    plans = []
+    durations: dict[tuple, float] = {}
+    offsets = {"SEND_ACT": ("activation", 0), "RECV_ACT": ("activation", -1), "SEND_GRAD": ("gradient", 0),
+               "RECV_GRAD": ("gradient", 1)}
+    for r in range(p):
+        plan = []
+        for a in schedule.actions[r]:
+            kind = a.kind
+            off = offsets.get(kind)
+            if off is not None:      # the message's identity: (what, microbatch, sending virtual stage)
+                key = (off[0], a.microbatch, schedule.virtual_stage(r, a.chunk) + off[1])
+                if kind[0] == "S":
+                    plan.append((0, key, (r, a.peer)))
                 else:
-                    start = clock[r]
-                    clock[r] += costs.duration(schedule, r, a)
-                    rows.append((r, idx[r], a, start, clock[r]))
-                idx[r] += 1
-                progress = True
+                    plan.append((1, key, (a.peer, r)))
+            else:
+                dkey = (r, kind, a.chunk)
+                d = durations.get(dkey)
+                if d is None:
+                    d = durations[dkey] = costs.duration(schedule, r, a)
+                plan.append((2, d, None))
+        plans.append(plan)
+    # Event-driven: a rank runs until it must wait for a message; the send of that message wakes it.
+    ready = deque(range(p))
+    waiting: dict = {}                # (channel, key) or, ordered, channel -> the rank waiting for it
+    while ready:
+        r = ready.popleft()
+        acts, plan = schedule.actions[r], plans[r]
+        i, t, n = idx[r], clock[r], len(plan)
+        while i < n:
+            code, what, channel = plan[i]
+            if code == 2:
+                rows.append((r, i, acts[i], t, t + what))
+                t += what
+            elif code == 0:
+                msg = (what, t + hop, i, acts[i])
+                box = fifo.get(channel)
+                if box is None:
+                    box = fifo[channel] = deque()
+                    tagged[channel] = {}
+                box.append(msg)
+                tagged[channel][what] = msg
+                if not compute_only:
+                    rows.append((r, i, acts[i], t, t))
+                woken = waiting.pop(channel if ordered else (channel, what), None)
+                if woken is not None:
+                    ready.append(woken)
+            else:
+                if ordered:
+                    box = fifo.get(channel)
+                    if not box:
+                        waiting[channel] = r
+                        break  # blocked: nothing has arrived from the peer yet
+                    key, arrival, s_idx, s_act = box[0]
+                    if key != what:
+                        a = acts[i]
+                        raise ScheduleError(
+                            f"would receive {s_act} (rank {a.peer}'s action #{s_idx}) instead of the message it "
+                            f"expects: without tags, messages between rank {a.peer} and rank {r} must be received "
+                            f"in the order they are sent", rank=r, index=i, action=a)
+                    box.popleft()
+                    del tagged[channel][key]
+                else:
+                    inbox = tagged.get(channel)
+                    msg = inbox.pop(what, None) if inbox is not None else None
+                    if msg is None:
+                        waiting[(channel, what)] = r
+                        break  # blocked: this message has not been sent yet
+                    key, arrival, s_idx, s_act = msg
+                    box = fifo[channel]
+                    if box[0] is msg:
+                        box.popleft()
+                    else:
+                        box.remove(msg)
+                start = t
+                if arrival > t:
+                    t = arrival
+                if not compute_only:
+                    rows.append((r, i, acts[i], start, t))
+            i += 1
+        idx[r], clock[r] = i, t
     stuck = [r for r in range(p) if idx[r] < len(schedule.actions[r])]
     if stuck:
         waits = "; ".join(
@@ -324,19 +366,25 @@ def simulate(schedule: Schedule, costs: Union[Costs, Mapping[str, object]], *,
 
     from mlmkit.pipeline.validate import validate
 
-    validate(schedule)
+    if not getattr(schedule, "_validated", False):
+        # Generated schedules are checked by the test suite, generator by generator; a custom one is
+        # checked here once (a schedule is immutable). The run below still catches any deadlock.
+        validate(schedule)
+        object.__setattr__(schedule, "_validated", True)
     costs = Costs.from_mapping(costs)
     if cores is not None and not cores > 0:
         raise ValueError(f"simulate: cores={cores!r} must be > 0 (or None: one processor per rank)")
     shared = cores is not None and cores < schedule.stages
-    rows = shared_run(schedule, costs, cores=cores) if shared else dry_run(schedule, costs)
-    compute = [(r, a.kind, a.microbatch, a.chunk, start, end) for r, _, a, start, end in rows
-               if a.kind in ("F", "B", "I", "W")]
-    timeline = pd.DataFrame(compute, columns=["rank", "action", "microbatch", "chunk", "start", "end"])
+    rows = shared_run(schedule, costs, cores=cores) if shared else dry_run(schedule, costs, compute_only=True)
     step = max((end for *_, end in rows), default=0.0)
+    if shared:
+        rows = [row for row in rows if row[2].kind in ("F", "B", "I", "W")]
+    timeline = pd.DataFrame({"rank": [row[0] for row in rows], "action": [row[2].kind for row in rows],
+                             "microbatch": [row[2].microbatch for row in rows], "chunk": [row[2].chunk for row in rows],
+                             "start": [row[3] for row in rows], "end": [row[4] for row in rows]})
     busy = {r: 0.0 for r in range(schedule.stages)}
-    for r, _, _, _, start, end in compute:
-        busy[r] += end - start
+    for row in rows:
+        busy[row[0]] += row[4] - row[3]
     total_busy = sum(busy.values())
     per_rank = {r: (1.0 - busy[r] / step) if step else 0.0 for r in busy}
     fraction = (1.0 - total_busy / (schedule.stages * step)) if step else 0.0
