@@ -10,14 +10,14 @@ import sys
 import torch
 
 from benchmarks import (bench_cluster, bench_context_parallel, bench_llama, bench_memory, bench_model, bench_moe,
-                        bench_pipeline, bench_tp_mlp, bench_tracing, bench_zero)
+                        bench_pipeline, bench_plan, bench_tp_mlp, bench_tracing, bench_zero)
 from benchmarks.common import format_table, write_results
 
 # In the order of the table: model step, Llama-style step and bf16, TP layer, pipeline (+ simulator), context
 # parallelism, mixture of experts, tracing, cluster, memory.
 BENCHMARKS = {"model": bench_model, "llama": bench_llama, "tp_mlp": bench_tp_mlp, "pipeline": bench_pipeline,
               "context_parallel": bench_context_parallel, "moe": bench_moe, "zero": bench_zero, "tracing": bench_tracing,
-              "cluster": bench_cluster,
+              "cluster": bench_cluster, "plan": bench_plan,
               "memory": bench_memory}
 
 

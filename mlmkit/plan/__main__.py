@@ -1,0 +1,88 @@
+"""``python -m mlmkit.plan``: the best layouts of a job, predicted (see :func:`mlmkit.plan.plan`).
+
+Example::
+
+    python -m mlmkit.plan --model gpt3-175b --gpus 1024 --gpu a100-80gb --global-batch-size 1536 \\
+        --seq-len 2048 --tp 8 --top 5
+
+Given flags (``--tp --cp --pp --dp --ep --chunks --schedule --micro-batch-size --recompute --zero``)
+constrain the search; the rest is searched. ``--json`` prints one JSON object per layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+
+from mlmkit.model.config import GPTConfig
+from mlmkit.model.presets import PRESETS, preset
+from mlmkit.plan.hardware import GPUS
+from mlmkit.plan.search import plan
+
+SHAPE = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab_size", "experts", "top_k")
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="python -m mlmkit.plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help=f"a preset ({', '.join(sorted(PRESETS))}) or a JSON file of "
+                                                  f"GPTConfig fields")
+    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--gpu", default="h100-sxm", help=f"one of {', '.join(sorted(GPUS))}")
+    p.add_argument("--global-batch-size", type=int, required=True, help="sequences per step")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's)")
+    for name in ("tp", "cp", "pp", "dp", "ep", "chunks", "micro-batch-size", "zero"):
+        p.add_argument(f"--{name}", type=int)
+    p.add_argument("--schedule", choices=["1f1b", "interleaved-1f1b"])
+    p.add_argument("--recompute", choices=["none", "selective", "full"])
+    for name in SHAPE:
+        p.add_argument(f"--{name.replace('_', '-')}", type=int)
+    p.add_argument("--no-flash-attention", action="store_true",
+                   help="attention as separate kernels (the [s, s] scores go through memory)")
+    p.add_argument("--top", type=int, default=10, help="layouts to print (default 10)")
+    p.add_argument("--json", action="store_true", help="one JSON object per layout")
+    return p.parse_args(argv)
+
+
+def _model(args) -> GPTConfig:
+    if args.model in PRESETS:
+        model = preset(args.model)
+    else:
+        try:
+            with open(args.model) as f:
+                model = GPTConfig.from_dict(json.load(f))
+        except OSError as err:
+            raise ValueError(f"--model {args.model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a "
+                             f"readable JSON file: {err}") from None
+    shape = {k: getattr(args, k) for k in SHAPE if getattr(args, k) is not None}
+    return replace(model, **shape) if shape else model
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    constraints = {k: getattr(args, k) for k in ("tp", "cp", "pp", "dp", "ep", "chunks", "schedule",
+                                                  "micro_batch_size", "recompute", "zero")}
+    try:
+        model = _model(args)
+        table = plan(model, gpus=args.gpus, gpu=args.gpu, global_batch_size=args.global_batch_size,
+                     seq_len=args.seq_len, flash_attention=not args.no_flash_attention, top=args.top,
+                     **{k: v for k, v in constraints.items() if v is not None})
+    except ValueError as err:
+        print(f"python -m mlmkit.plan: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        for rank, row in table.iterrows():
+            print(json.dumps({"rank": int(rank), **{k: (v.item() if hasattr(v, "item") else v) for k, v in row.items()}}))
+        return 0
+    shown = table.assign(memory_gib=table.memory_per_gpu_bytes / 2**30, step_s=table.step_time_s,
+                         mfu_pct=table.mfu * 100)
+    cols = ["tp", "cp", "pp", "dp", "chunks", "schedule", "micro_batch_size", "recompute", "zero", "memory_gib",
+            "fits", "step_s", "tokens_per_s", "model_tflops_per_gpu", "mfu_pct"]
+    print(shown[cols].round(2).to_string())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""The search: every layout of a job that divides it, predicted and ranked (pure Python).
+
+:func:`plan` enumerates tensor (up to a node, dividing the heads), context, pipeline and data
+parallel degrees whose product is the GPU count, Megatron-LM's 1F1B and interleaved 1F1B
+(2 or 4 chunks, when the microbatches allow them), micro-batch sizes, the three recomputation
+choices and ZeRO stages 1 and 3; constraints fix any of these. Each layout is predicted by
+:func:`mlmkit.plan.predict`; the table is ranked by tokens per second, layouts that do not fit
+in memory last (``fits`` False).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence
+
+from mlmkit.model.config import GPTConfig
+from mlmkit.plan.hardware import Hardware, hardware
+from mlmkit.plan.timing import Layout, predict
+
+__all__ = ["COLUMNS", "plan", "search_space"]
+
+#: Columns of :func:`plan`'s table, in order.
+COLUMNS = ["tp", "cp", "pp", "dp", "ep", "chunks", "schedule", "micro_batch_size", "recompute", "zero",
+           "microbatches", "memory_per_gpu_bytes", "fits", "step_time_s", "tokens_per_s", "model_tflops_per_gpu",
+           "hardware_tflops_per_gpu", "mfu", "compute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "pp_comm_s",
+           "bubble_s", "dp_comm_s", "optimizer_s", "state_bytes", "activation_bytes"]
+
+_CONSTRAINTS = ("tp", "cp", "pp", "dp", "ep", "chunks", "schedule", "micro_batch_size", "recompute", "zero",
+                "sequence_parallel")
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def search_space(model: GPTConfig, hw: Hardware, *, gpus: int, global_batch_size: int, seq_len: int,
+                 **fixed) -> list[Layout]:
+    """The layouts :func:`plan` predicts (module docstring); ``fixed``: constraints."""
+    unknown = sorted(set(fixed) - set(_CONSTRAINTS))
+    if unknown:
+        raise ValueError(f"plan: unknown constraint(s) {unknown}; expected some of {', '.join(_CONSTRAINTS)}")
+
+    def options(name, default):
+        value = fixed.get(name)
+        return [value] if value is not None else default
+
+    out = []
+    tps = [t for t in options("tp", _divisors(hw.gpus_per_node)) if model.heads % t == 0 and gpus % t == 0]
+    for t in tps:
+        for cp in options("cp", [c for c in (1, 2, 4, 8, 16) if seq_len % (2 * c) == 0 or c == 1]):
+            if gpus % (t * cp):
+                continue
+            for p in options("pp", _divisors(gpus // (t * cp))):
+                if p > model.layers or gpus % (t * cp * p):
+                    continue
+                d = gpus // (t * cp * p)
+                if fixed.get("dp") is not None and fixed["dp"] != d:
+                    continue
+                for b in options("micro_batch_size", [1, 2, 4, 8]):
+                    if global_batch_size % (b * d):
+                        continue
+                    m = global_batch_size // (b * d)
+                    scheds = [("1f1b", 1)] + ([("interleaved-1f1b", v) for v in (2, 4)] if p > 1 else [])
+                    for sched, v in scheds:
+                        if fixed.get("schedule") not in (None, sched) or fixed.get("chunks") not in (None, v):
+                            continue
+                        if v > 1 and (m < p or m % p or model.layers < p * v):
+                            continue
+                        for rc in options("recompute", ["none", "selective", "full"]):
+                            for zero in options("zero", [1, 3]):
+                                out.append(Layout(tp=t, cp=cp, pp=p, dp=d, ep=fixed.get("ep") or 1, chunks=v,
+                                                  schedule=sched, micro_batch_size=b, recompute=rc, zero=zero,
+                                                  sequence_parallel=fixed.get("sequence_parallel", True)))
+    return out
+
+
+def plan(model: GPTConfig, *, gpus: int, gpu="h100-sxm", global_batch_size: int, seq_len: Optional[int] = None,
+         flash_attention: bool = True, top: Optional[int] = None, **constraints):
+    """Ranked layouts for training ``model`` on ``gpus`` GPUs of type ``gpu`` (a preset name of
+    :data:`mlmkit.plan.GPUS` or a :class:`Hardware`), with ``global_batch_size`` sequences of
+    ``seq_len`` tokens (default: the model's) per step. ``constraints`` fix any of tp, cp, pp, dp,
+    ep, chunks, schedule, micro_batch_size, recompute, zero, sequence_parallel (default on). Returns a DataFrame (:data:`COLUMNS`)."""
+    import pandas as pd
+
+    hw = hardware(gpu)
+    for name, value in (("gpus", gpus), ("global_batch_size", global_batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"plan: {name}={value!r} must be a positive integer")
+    s = seq_len or model.seq_len
+    if s != model.seq_len:
+        from dataclasses import replace
+
+        model = replace(model, seq_len=s)
+    layouts = search_space(model, hw, gpus=gpus, global_batch_size=global_batch_size, seq_len=s, **constraints)
+    if not layouts:
+        raise ValueError(f"plan: no layout of {gpus} GPUs divides this job with constraints {constraints or 'none'} "
+                         f"(global_batch_size={global_batch_size}, heads={model.heads}, layers={model.layers}); "
+                         f"relax a constraint or change the GPU count")
+    rows = [_predict(model, hw, lay, global_batch_size, s, flash_attention) for lay in layouts]
+    df = pd.DataFrame(rows, columns=COLUMNS)
+    df = df.sort_values(["fits", "tokens_per_s"], ascending=[False, False]).reset_index(drop=True)
+    df.index.name = "rank"
+    return df.head(top) if top else df
+
+
+@functools.lru_cache(maxsize=None)
+def _cached(model, hw, layout, global_batch_size, s, flash_attention):
+    return predict(model, hw, layout, global_batch_size=global_batch_size, seq_len=s, flash_attention=flash_attention)
+
+
+def _predict(model, hw, layout, global_batch_size, s, flash_attention) -> dict:
+    return _cached(model, hw, layout, global_batch_size, s, flash_attention)

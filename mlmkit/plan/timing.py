@@ -1,0 +1,219 @@
+"""Predicted step time, throughput and memory of one layout on real GPUs (pure Python).
+
+For a layout (tp, cp, pp with schedule and chunks, dp with a ZeRO stage, ep, micro-batch size,
+recomputation) of ``model`` on ``gpus`` accelerators of one :class:`~mlmkit.plan.Hardware` type:
+
+- **compute**: per layer and microbatch the forward FLOPs of :func:`mlmkit.estimate.forward_flops_per_token`
+  (attention included; grouped-query attention, SwiGLU, top-k experts), split over ``tp x cp``,
+  divided by the peak times the achievable efficiency :meth:`Hardware.compute_efficiency` of the
+  per-GPU GEMM width ``hidden / tp``; backward is twice the forward; full recomputation reruns
+  the forward, selective recomputation its attention core;
+- **tensor / sequence parallelism**: per layer and microbatch two all-reduces forward and two
+  backward (as all-gathers and reduce-scatters with sequence parallelism: the same bytes) of the
+  ``[s, b, h]`` activations, ring algorithm, not overlapped (Megatron-LM's default); NVLink when
+  the group fits in a node;
+- **context parallelism**: the ring's key/value messages, overlapped with the attention compute
+  (only what exceeds it is exposed); **expert parallelism**: four all-to-alls per MoE layer;
+- **pipeline**: one activation message per microbatch and stage boundary each way; the bubble of
+  1F1B ``(p - 1) (F + B)`` and of interleaved 1F1B ``(p - 1) (F + B) / v`` with the slowest stage's
+  costs (``simulate`` gives the same for these costs: tests check it);
+- **data parallelism**: the gradient all-reduce (ZeRO-1/2: reduce-scatter plus all-gather, the same
+  bytes) overlapped with the backward of the last microbatch, as Megatron-LM's bucketed overlap
+  does; ZeRO-3's per-layer parameter all-gathers overlapped with each layer's compute;
+- **memory-bound work**: the element-wise operations between the GEMMs and, without a fused
+  (flash) attention, the ``[b, a/t, s, s]`` attention scores, as HBM traffic
+  (``ELEMENTWISE_PASSES``, ``MLP_PASSES``, ``SCORE_PASSES``);
+- **optimizer**: AdamW streams ~32 bytes per local parameter through HBM.
+
+Model FLOPs are Megatron-LM's (``3 x`` forward, no recomputation: :func:`~mlmkit.estimate.training_flops_per_token`),
+MFU = model FLOP/s per GPU over the peak; hardware FLOPs add what recomputation reruns.
+
+Memory per GPU (the largest pipeline stage): model state from :func:`~mlmkit.estimate.bytes_per_parameter`
+(bf16 mixed precision, the ZeRO stage's sharding) and activations from the paper's per-layer
+formula (:func:`~mlmkit.estimate.activation_bytes_per_layer`, ``implementation="megatron"``, with
+the model's own dropout), times the microbatches in flight on the first stage (1F1B: ``p``;
+interleaved: ``p (1 + (p - 1) / (p v))``, Korthikanti et al. 2022), plus an allowance: 5% for
+fragmentation and 2 GiB of framework buffers (CUDA context, NCCL, workspaces).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+from mlmkit.estimate.flops import forward_flops_per_token, training_flops_per_token
+from mlmkit.estimate.memory import activation_bytes_per_layer, bytes_per_parameter
+from mlmkit.estimate.params import local_parameters
+from mlmkit.model.config import GPTConfig
+from mlmkit.plan.hardware import GiB, Hardware
+from mlmkit.topology import Topology
+
+__all__ = ["Layout", "pipeline_time", "predict"]
+
+FRAGMENTATION = 1.05
+#: HBM passes (reads and writes, forward and backward together) over each layer's activations:
+#: per token, of the hidden vector (2 norms, 2 dropouts, 2 residual adds) and of the MLP's inner
+#: vector (activation function), and, without flash attention, of each attention score.
+ELEMENTWISE_PASSES, MLP_PASSES, SCORE_PASSES = 24, 6, 12
+FRAMEWORK_BYTES = 2 * GiB
+ADAM_BYTES_PER_PARAM = 32
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """One way to run a job: the degrees, the schedule, the micro-batch size, recomputation, ZeRO."""
+
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    chunks: int = 1
+    schedule: str = "1f1b"
+    micro_batch_size: int = 1
+    recompute: str = "none"
+    zero: int = 1
+    sequence_parallel: bool = True
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_parameters(model: GPTConfig, t: int, p: int, v: int, sp: bool) -> int:
+    """Parameters of the largest pipeline stage (first or last: embedding, head), per GPU."""
+    topo = Topology(tp=t, pp=p)
+    return max(sum(q.numel for q in local_parameters(model, topo, pp_rank=r, chunks=v, sequence_parallel=sp))
+               for r in {0, p - 1})
+
+
+@functools.lru_cache(maxsize=256)
+def _flops(model: GPTConfig, s: int) -> tuple:
+    return forward_flops_per_token(model, seq_len=s), training_flops_per_token(model, seq_len=s), \
+        {rc: training_flops_per_token(model, recompute=rc, seq_len=s) for rc in ("none", "selective", "full")}
+
+
+def _ring(op: str, nbytes: float, n: int, bw: float, latency: float) -> float:
+    if n <= 1:
+        return 0.0
+    steps = 2 * (n - 1) if op == "all_reduce" else n - 1
+    share = 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
+    return share * nbytes / bw + steps * latency
+
+
+def pipeline_time(forward: float, backward: float, *, microbatches: int, stages: int, chunks: int = 1) -> tuple:
+    """(busy, bubble) seconds of a step of 1F1B (``chunks=1``) or interleaved 1F1B when every rank's
+    forward and backward of one microbatch (all its chunks) take ``forward`` and ``backward``:
+    ``m (F + B)`` and ``(p - 1) (F + B) / v`` (Narayanan et al. 2021); equals what
+    :func:`mlmkit.pipeline.simulate` gives for these costs (tests check it)."""
+    busy = microbatches * (forward + backward)
+    return busy, ((stages - 1) * (forward + backward) / chunks if stages > 1 else 0.0)
+
+
+def predict(model: GPTConfig, hw: Hardware, layout: Layout, *, global_batch_size: int,
+            seq_len: Optional[int] = None, flash_attention: bool = True) -> dict:
+    """Step time, throughput, FLOP/s, MFU, memory per GPU and the time breakdown of ``layout``
+    (module docstring). Raises ``ValueError`` when the layout does not divide the job."""
+    L = layout
+    s = seq_len or model.seq_len
+    t, cp, p, d, v, b = L.tp, L.cp, L.pp, L.dp, L.chunks, L.micro_batch_size
+    if global_batch_size % (b * d):
+        raise ValueError(f"global_batch_size={global_batch_size} is not a multiple of micro_batch_size x dp = {b * d}")
+    m = global_batch_size // (b * d)
+    h, layers = model.hidden, model.layers
+    if layers < p * v:
+        raise ValueError(f"layers={layers} are fewer than pp x chunks = {p * v} stages")
+    if s % cp:
+        raise ValueError(f"seq_len={s} is not a multiple of cp={cp}")
+    sp = L.sequence_parallel and t > 1
+    E = 2                                                     # bf16 activations and parameters
+    peak = hw.peak_tflops * 1e12
+    eff = hw.compute_efficiency(h / t)
+    fl, _, train_flops = _flops(model, s)
+    tokens = b * s                                             # tokens of a microbatch
+    per_layer = (fl["linear"] + fl["attention"]) / layers * tokens / (t * cp)
+    attn_share = fl["attention"] / (fl["linear"] + fl["attention"])
+    # memory-bound work per layer and microbatch (HBM traffic): the element-wise operations on the
+    # activations (norms, activation function, dropout, residuals: replicated over tp without
+    # sequence parallelism, except inside the tp-split MLP), and without a fused (flash) attention
+    # the [b, a/t, s, s] scores written and read by scale, mask, softmax and dropout
+    elem = tokens / cp * (ELEMENTWISE_PASSES * h / (t if sp else 1) + MLP_PASSES * model.ffn / t) * E
+    if not flash_attention:
+        elem += b * (model.heads / t) * s * (s / cp) * SCORE_PASSES * E
+    f_mem = elem / 3 / hw.hbm_bandwidth                       # a third of it in forward
+    f_layer = per_layer / (peak * eff) + f_mem
+    b_layer = 2 * f_layer + {"none": 0.0, "selective": attn_share * f_layer, "full": f_layer}[L.recompute]
+    head = fl["head"] * tokens / (t * cp) / (peak * eff)
+    # communication per layer and microbatch
+    act = tokens / cp * h * E                                  # one [s/cp, b, h] activation
+    tp_bw = hw.link(t, 1)
+    ar = _ring("all_reduce", act, t, tp_bw, hw.latency_s)
+    reruns = 1 if L.recompute == "full" else 0
+    tp_f, tp_b = 2 * ar, (2 + 2 * reruns) * ar
+    cp_exposed = 0.0
+    if cp > 1:
+        kv_heads = model.num_kv_heads
+        kv = 2 * b * max(1, kv_heads // t) * (s // cp) * model.head_dim * E
+        ring = (cp - 1) * (kv / hw.link(cp, t) + hw.latency_s)
+        attn = attn_share * f_layer
+        cp_exposed = max(0.0, ring - attn) * 3                 # forward, backward (twice the messages)
+    ep_time = 0.0
+    if model.moe and L.ep > 1:
+        a2a = tokens / (t * cp) * model.top_k * h * E * (L.ep - 1) / L.ep
+        ep_time = 4 * (a2a / hw.link(L.ep, t * cp) + hw.latency_s)
+    lp = -(-layers // p)                 # layers of the busiest pipeline rank (uneven splits round up)
+    p2p = (act / (t if sp else 1)) / hw.link(p, t * cp * d) + hw.latency_s if p > 1 else 0.0
+    F = lp * (f_layer + tp_f + cp_exposed / 3 + ep_time / 2) + p2p * v
+    B = lp * (b_layer + tp_b + 2 * cp_exposed / 3 + ep_time / 2) + p2p * v
+    F_last, B_last = F + head, B + 2 * head
+    Fs, Bs = max(F, F_last), max(B, B_last)
+    busy, bubble = pipeline_time(Fs, Bs, microbatches=m, stages=p, chunks=v)
+    # data parallelism and the optimizer
+    n_stage = _stage_parameters(model, t, p, v, sp)
+    replicas = d * cp
+    grad_bytes = n_stage * 4
+    dp_bw = hw.link(replicas, t)
+    reduce = _ring("all_reduce", grad_bytes, replicas, dp_bw, hw.latency_s)
+    zero3_exposed = 0.0
+    if L.zero == 3 and replicas > 1:
+        layer_params = n_stage / lp
+        gather = _ring("all_gather", layer_params * E, replicas, dp_bw, hw.latency_s)
+        zero3_exposed = m * lp * (max(0.0, gather - f_layer) + max(0.0, gather - b_layer))
+        reduce = _ring("reduce_scatter", grad_bytes, replicas, dp_bw, hw.latency_s)
+    dp_exposed = max(0.0, reduce - Bs / max(1, m) * 1.0) + zero3_exposed
+    local = n_stage / (replicas if L.zero >= 1 else 1)
+    optimizer = local * ADAM_BYTES_PER_PARAM / hw.hbm_bandwidth
+    step = busy + bubble + dp_exposed + optimizer
+    # throughput and utilisation
+    tr = train_flops[L.recompute]
+    total_tokens = global_batch_size * s
+    n = L.gpus
+    model_tflops = tr["model"] * total_tokens / step / n / 1e12
+    hw_tflops = tr["hardware"] * total_tokens / step / n / 1e12
+    # memory of the largest stage
+    state = n_stage * bytes_per_parameter(precision="bf16", zero=L.zero, dp=replicas)
+    if L.zero == 3:
+        state += 2 * (n_stage / lp) * E                        # two layers gathered at a time
+    # a fused (flash) attention keeps no [s, s] scores: the paper's selective-recomputation count
+    kept = "selective" if (flash_attention and L.recompute == "none") else L.recompute
+    per_layer_act = activation_bytes_per_layer(
+        s=s // cp, b=b, h=h, a=model.heads, ffn=model.ffn, t=t, sequence_parallel=sp, recompute=kept,
+        dropout=model.dropout > 0, precision="bf16", implementation="megatron", kv_heads=model.num_kv_heads,
+        mlp=model.mlp, norm=model.norm, rope=model.position == "rope")
+    inflight = min(m, p) if v == 1 else p * (1 + (p - 1) / (p * v))
+    activations = per_layer_act * lp * inflight
+    memory = (state + activations) * FRAGMENTATION + FRAMEWORK_BYTES
+    tp_total = m * lp * (tp_f + tp_b)
+    return {
+        "tp": t, "cp": cp, "pp": p, "dp": d, "ep": L.ep, "chunks": v, "schedule": L.schedule,
+        "micro_batch_size": b, "recompute": L.recompute, "zero": L.zero, "microbatches": m,
+        "memory_per_gpu_bytes": memory, "fits": memory <= hw.memory_bytes,
+        "step_time_s": step, "tokens_per_s": total_tokens / step,
+        "model_tflops_per_gpu": model_tflops, "hardware_tflops_per_gpu": hw_tflops, "mfu": model_tflops * 1e12 / peak,
+        "compute_s": m * (lp * (f_layer + b_layer) + 3 * head), "tp_comm_s": tp_total,
+        "cp_comm_s": m * lp * cp_exposed, "ep_comm_s": m * lp * ep_time, "pp_comm_s": m * 2 * p2p * v,
+        "bubble_s": bubble, "dp_comm_s": dp_exposed, "optimizer_s": optimizer,
+        "state_bytes": state, "activation_bytes": activations,
+    }
