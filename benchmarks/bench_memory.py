@@ -19,7 +19,8 @@ def run(quick: bool = False) -> list[Row]:
     traces = merge_traces(run_ranks(traced_step, world_size=4, args=(CFG.to_dict(),), timeout_s=600))
     measured = measured_memory(traces["memory"])
     measured["total"] = measured.sum(axis=1)
-    est = estimate_memory(CFG.model, CFG.topology, micro_batch_size=CFG.micro_batch_size, microbatches=CFG.microbatches)
+    est = estimate_memory(CFG.model, CFG.topology, micro_batch_size=CFG.micro_batch_size, microbatches=CFG.microbatches,
+                          precision=CFG.precision)
     rows = []
     for rank in est.index:
         m, e = float(measured.loc[rank, "total"]), float(est.loc[rank, "total"])

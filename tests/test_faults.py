@@ -150,7 +150,7 @@ def test_rank_raising_at_every_action_index(harness):
 CP_EP_CFG = TrainConfig(model=GPTConfig(vocab_size=256, seq_len=16, hidden=32, heads=4, layers=2, experts=4,
                                         top_k=2, moe_ffn_hidden=32, dropout=0.0),
                         cp=2, dp=2, ep=2, micro_batch_size=2, global_batch_size=8, max_steps=200)
-CP_EP_SWEEP = [(rank, point) for rank in range(4) for point in _points(rank, CP_EP_CFG)]
+CP_EP_SWEEP = [(rank, point) for rank in (1, 2) for point in _points(rank, CP_EP_CFG)]
 
 
 def test_cp_and_expert_groups_released_and_rebuilt_after_a_failure():

@@ -336,3 +336,13 @@ def test_interleaved_microbatch_groups_follow_megatron():
     for p, m in [(2, 4), (4, 8)]:
         res = simulate(make_schedule("interleaved-1f1b", stages=p, microbatches=m, chunks=2), UNIFORM)
         assert res.bubble_ratio == pytest.approx((p - 1) / (2 * m))
+
+
+def test_table_rows_as_tuples_are_five_long_or_three():
+    rows = [(0, "F", 0, 0, None), (0, "RECV_GRAD", 0, 0, 1), (0, "SEND_ACT", 0, 0, 1), (0, "B", 0, 0, None),
+            (1, "RECV_ACT", 0, 0, 0), (1, "F", 0, 0, None), (1, "B", 0, 0, None), (1, "SEND_GRAD", 0, 0, 0)]
+    with pytest.raises(ScheduleError, match="deadlock"):
+        validate(schedule_from_table(rows))
+    # (rank, kind, microbatch, peer) would silently read the peer as a chunk: refused, with the fix.
+    with pytest.raises(ScheduleError, match=r"has 4 entries: a tuple row is \(rank, kind, microbatch\) or"):
+        schedule_from_table([(r, k, mb, peer) for r, k, mb, _, peer in rows])

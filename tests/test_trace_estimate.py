@@ -143,3 +143,14 @@ def test_memory_tracker_counts_saved_storage_once():
     tracker.record(action="F")
     row = tracker.frame().iloc[0]
     assert row.parameters == (64 * 64 + 64) * 4 and row.gradients == row.parameters
+
+
+def test_estimators_never_assume_a_precision():
+    from mlmkit.estimate import estimate_comm, estimate_memory
+    from mlmkit.model import GPTConfig
+    from mlmkit import Topology
+
+    model = GPTConfig(vocab_size=256, seq_len=16, hidden=32, heads=4, layers=2)
+    for fn in (estimate_memory, estimate_comm):
+        with pytest.raises(ValueError, match="give precision='fp32' or 'bf16'"):
+            fn(model, Topology(), micro_batch_size=1, microbatches=1)

@@ -278,3 +278,21 @@ def test_zero_bytes_frame_and_figure():
     fig = zero_bytes_figure(frame)
     bars = [t for t in fig.data if t.type == "bar"]
     assert [t.name for t in bars] == ["zero 0", "zero 3"] and list(bars[1].y) == [300 / 1024] * 2
+
+
+def test_plan_figures_stack_the_predicted_parts():
+    from mlmkit.model import GPTConfig
+    from mlmkit.plan import plan
+    from mlmkit.viz import plan_breakdown_figure, plan_memory_figure
+    from mlmkit.viz.plan import PLAN_PARTS
+
+    table = plan(GPTConfig(vocab_size=51200, seq_len=2048, hidden=4096, heads=32, layers=32), gpus=64,
+                 gpu="h100-sxm", global_batch_size=256, top=5)
+    fig = plan_breakdown_figure(table)
+    total = sum(pd.Series(list(t.x)) for t in fig.data)
+    parts = table[list(PLAN_PARTS)].sum(axis=1).reset_index(drop=True)
+    assert (total - parts).abs().max() < 1e-9
+    assert ((parts - table.step_time_s.reset_index(drop=True)).abs() <= 1e-6 * table.step_time_s.max() + 1e-9).all()
+    mem = plan_memory_figure(table, gpu_memory_bytes=80 * 2**30)
+    stacked = sum(pd.Series(list(t.x)) for t in mem.data)
+    assert (stacked * 2**30 - table.memory_per_gpu_bytes.reset_index(drop=True)).abs().max() < 1

@@ -108,7 +108,7 @@ bubbles = bubble_table(timeline)
 bubbles
 """),
     code("""
-opts = dict(micro_batch_size=config.micro_batch_size, microbatches=config.microbatches)
+opts = dict(micro_batch_size=config.micro_batch_size, microbatches=config.microbatches, precision=config.precision)
 mem_est = estimate_memory(config.model, config.topology, **opts)
 memory_figure(traces["memory"], estimate=mem_est)
 """),
@@ -421,8 +421,10 @@ broken = schedule_from_table([
 ])
 try:
     validate(broken)
+    raise AssertionError("validate() accepted a deadlock")
 except ScheduleError as err:
     print(err)
+    assert "deadlock" in str(err)
 """),
     md("""
 ## Now for real: measured over simulated
@@ -543,7 +545,7 @@ traces = session.traces()
     code("""
 from mlmkit.estimate import estimate_comm
 from mlmkit.estimate.compare import compare_comm, measured_comm
-opts = dict(micro_batch_size=config.micro_batch_size, microbatches=config.microbatches)
+opts = dict(micro_batch_size=config.micro_batch_size, microbatches=config.microbatches, precision=config.precision)
 est = estimate_comm(config.model, config.topology, zero1=True, **opts)
 table = compare_comm(traces["comm"], est)
 assert (table.measured == table.estimated).all()
@@ -825,15 +827,18 @@ assert cluster.run(total) == {0: 2.0, 1: 2.0}     # the next cell works: groups 
     md("## 4. Schedules that would deadlock or mis-pair messages are caught before they run"),
     code("""
 from mlmkit.pipeline import ScheduleError, make_schedule, schedule_from_table, validate
-# Both ranks receive before they send: each waits for the other forever.
+# Rows: (rank, kind, microbatch, chunk, peer). Rank 0 waits for the gradient before it sends the
+# activation that rank 1 waits for: each waits for the other forever.
 deadlock = schedule_from_table([
-    (0, "F", 0, None), (0, "RECV_GRAD", 0, 1), (0, "SEND_ACT", 0, 1), (0, "B", 0, None),
-    (1, "RECV_ACT", 0, 0), (1, "F", 0, None), (1, "B", 0, None), (1, "SEND_GRAD", 0, 0),
+    (0, "F", 0, 0, None), (0, "RECV_GRAD", 0, 0, 1), (0, "SEND_ACT", 0, 0, 1), (0, "B", 0, 0, None),
+    (1, "RECV_ACT", 0, 0, 0), (1, "F", 0, 0, None), (1, "B", 0, 0, None), (1, "SEND_GRAD", 0, 0, 0),
 ])
 try:
     validate(deadlock)
+    raise AssertionError("validate() accepted a deadlock")
 except ScheduleError as err:
     print(err)
+    assert "deadlock" in str(err)
 """),
     code("""
 from dataclasses import replace
@@ -1298,6 +1303,124 @@ if SHOW_ANSWERS:
 """),
 ]
 
+# =====================================================================================================
+PLANNING = [
+    md("""
+# 08 · Planning a run: from a published model's shape to a layout
+
+Before spending a GPU-hour: for this model on `N` GPUs of this kind, which layout (tp, cp, pp with
+schedule and chunks, dp with a ZeRO stage, micro-batch size, recomputation) fits in memory, how long
+does a step take, what throughput and MFU should we expect, and where does the time go?
+
+`mlmkit.plan` answers with a model per layout: FLOPs per layer on the GPU's peak times an
+achievable efficiency, the memory-bound work between GEMMs, each axis's communication on NVLink or
+the network with the overlaps Megatron-LM gets, the pipeline bubble, the optimizer; memory from the
+paper's formulas with the model's own dropout and precision. Everything here is pure Python: no
+GPU, no process.
+"""),
+    code("""
+import pandas as pd
+import plotly.io as pio
+pio.renderers.default = "notebook"
+from mlmkit.model.presets import PRESETS, preset
+from mlmkit.plan import GPUS, plan
+pd.DataFrame({name: {"peak TFLOP/s (bf16)": h.peak_tflops, "memory GiB": h.memory_bytes / 2**30,
+                     "NVLink GB/s": h.intra_node_bandwidth / 1e9, "network GB/s per GPU": h.inter_node_bandwidth / 1e9}
+              for name, h in GPUS.items()}).T
+"""),
+    md("""
+## GPT-3 175B on 1024 A100s
+
+The job of Narayanan et al. 2021: batch 1536 sequences of 2048 tokens. The search tries every
+layout that divides it (a few thousand) in well under a second:
+"""),
+    code("""
+import time
+model = preset("gpt3-175b")
+t0 = time.perf_counter()
+table = plan(model, gpus=1024, gpu="a100-80gb", global_batch_size=1536, seq_len=2048)
+print(f"{len(table)} layouts in {time.perf_counter() - t0:.2f} s; {int(table.fits.sum())} fit in 80 GiB")
+cols = ["tp", "cp", "pp", "dp", "chunks", "micro_batch_size", "recompute", "zero", "fits", "step_time_s",
+        "model_tflops_per_gpu", "mfu"]
+table[cols].head(8).round(3)
+"""),
+    code("""
+from mlmkit.viz import plan_breakdown_figure, plan_memory_figure
+plan_breakdown_figure(table, top=8, title="GPT-3 175B on 1024 A100s: where the step time goes")
+"""),
+    code("""
+plan_memory_figure(table, gpu_memory_bytes=GPUS["a100-80gb"].memory_bytes, top=8)
+"""),
+    md("""
+## Constraints: what if tensor parallelism stays within 4 GPUs?
+
+Any flag fixes a dimension; the rest is searched. Without enough model parallelism the layouts
+that would be fast no longer fit, and recomputation buys the memory back at a price:
+"""),
+    code("""
+tp4 = plan(model, gpus=1024, gpu="a100-80gb", global_batch_size=1536, seq_len=2048, tp=4)
+best = pd.DataFrame({"free search": table.iloc[0], "tp = 4": tp4.iloc[0]}).loc[cols]
+best
+"""),
+    code("""
+recompute = {rc: plan(model, gpus=1024, gpu="a100-80gb", global_batch_size=1536, seq_len=2048, tp=8, pp=8,
+                      micro_batch_size=1, chunks=2, zero=1, recompute=rc).iloc[0]
+             for rc in ("none", "selective", "full")}
+frame = pd.DataFrame({rc: {"memory GiB": r.memory_per_gpu_bytes / 2**30, "step s": r.step_time_s,
+                           "model TFLOP/s": r.model_tflops_per_gpu, "hardware TFLOP/s": r.hardware_tflops_per_gpu}
+                      for rc, r in recompute.items()}).T
+assert frame["memory GiB"].is_monotonic_decreasing and frame["step s"].is_monotonic_increasing
+frame.round(2)
+"""),
+    md("""
+Full recomputation saves most activation memory and costs a third more compute: its hardware
+FLOP/s stay high while the model FLOP/s (what the job needs) drop.
+
+## Against published runs
+
+The planner's prediction for published layouts (Narayanan et al. 2021 on A100s; Llama 3 405B on
+H100s), each under its published degrees. The efficiency constants are two numbers per GPU type,
+set once, never per model; the rows that miss are explained in `benchmarks/NOTES.md`.
+"""),
+    code("""
+from mlmkit.plan.published import comparison
+published = comparison()
+published[["result", "gpus", "gpu", "layout", "published TFLOP/s", "predicted TFLOP/s", "ratio"]].round(2)
+"""),
+    code("""
+assert ((published.ratio - 1).abs() <= 0.15).sum() >= 8
+"""),
+    md("""
+## What this showed
+* A layout is a trade: tensor parallelism costs communication on every layer, pipeline parallelism
+  a bubble that microbatches and interleaving shrink, data parallelism a gradient reduction that
+  overlaps with backward, recomputation a third more compute for a lot less memory.
+* The planner ranks thousands of layouts in a fraction of a second and says where the time goes.
+* Its predictions come within a few percent of most published Megatron-LM runs.
+
+## Exercises (predict, then check)
+1. For Llama 3 8B on 8 H100s with batch 64, does the best layout use tensor parallelism?
+2. On 1024 A100s, is GPT-3 175B's best layout faster with ZeRO-3 than with ZeRO-1 (same degrees)?
+3. What MFU does the planner predict for the best GPT-3 175B layout on 1024 H100s?
+
+Set `SHOW_ANSWERS = True` and run the next cell to check your predictions.
+"""),
+    code("""
+SHOW_ANSWERS = False
+small = plan(preset("llama3-8b"), gpus=8, gpu="h100-sxm", global_batch_size=64).iloc[0]
+b = table.iloc[0]
+same = dict(tp=int(b.tp), cp=int(b.cp), pp=int(b.pp), chunks=int(b.chunks), micro_batch_size=int(b.micro_batch_size),
+            recompute=b.recompute)
+z = {zero: plan(model, gpus=1024, gpu="a100-80gb", global_batch_size=1536, seq_len=2048, zero=zero, **same).iloc[0]
+     for zero in (1, 3)}
+h100 = plan(model, gpus=1024, gpu="h100-sxm", global_batch_size=1536, seq_len=2048).iloc[0]
+answers = {1: int(small.tp) > 1, 2: bool(z[3].step_time_s < z[1].step_time_s), 3: round(float(h100.mfu), 2)}
+assert answers[1] in (True, False) and 0.2 < answers[3] < 0.8
+if SHOW_ANSWERS:
+    print(answers)
+"""),
+]
+
 
 if __name__ == "__main__":
     OUT.mkdir(exist_ok=True)
@@ -1309,3 +1432,4 @@ if __name__ == "__main__":
     write("05_debugging", DEBUGGING)
     write("06_context_parallel", CONTEXT_PARALLEL)
     write("07_mixture_of_experts", MIXTURE_OF_EXPERTS)
+    write("08_planning_a_run", PLANNING)

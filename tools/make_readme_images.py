@@ -50,5 +50,6 @@ if __name__ == "__main__":
     stage0 = ev[ev["rank"].isin([0, 2])].assign(rank=lambda d: d["rank"] // 2)
     shoot(timeline_comparison(sim.timeline, stage0, title="1F1B on tp=2 x pp=2: simulated (calibrated) vs measured"),
           "timeline", height=520)
-    est = estimate_memory(CFG.model, CFG.topology, micro_batch_size=CFG.micro_batch_size, microbatches=CFG.microbatches)
+    est = estimate_memory(CFG.model, CFG.topology, micro_batch_size=CFG.micro_batch_size, microbatches=CFG.microbatches,
+                          precision=CFG.precision)
     shoot(memory_figure(traces["memory"], estimate=est), "memory", height=420)

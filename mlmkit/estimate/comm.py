@@ -109,7 +109,7 @@ def _moe_comm(model: GPTConfig, topology: Topology, *, s: int, b: int, m: int, E
 
 def estimate_comm(model: GPTConfig, topology: Topology, *, micro_batch_size: int, microbatches: int,
                   chunks: int = 1, sequence_parallel: bool = False, zero1: bool = False, recompute=False,
-                  bucket_bytes: int = 25 * 2**20, precision: str = "fp32", grad_reduce: str = "fp32",
+                  bucket_bytes: int = 25 * 2**20, precision: Optional[str] = None, grad_reduce: str = "fp32",
                   layers_per_stage: Optional[Sequence[int]] = None, placement: str = "loop",
                   zero: Optional[int] = None, reshard_after_forward: bool = True):
     """Wire bytes per rank (rows) and axis (columns: tp, cp, tp-cp, ep, expert-tp, pp, dp, expert-dp,
@@ -117,6 +117,9 @@ def estimate_comm(model: GPTConfig, topology: Topology, *, micro_batch_size: int
     For a training run, :func:`estimate_train_comm` takes every option from its TrainConfig."""
     import pandas as pd
 
+    if precision is None:
+        raise ValueError("estimate_comm: give precision='fp32' or 'bf16' (the run's; never assumed), or call "
+                         "estimate_train_comm(config), which takes everything from the config")
     if precision not in ("fp32", "bf16") or grad_reduce not in ("fp32", "bf16"):
         raise ValueError(f"precision={precision!r}, grad_reduce={grad_reduce!r}: expected 'fp32' or 'bf16'")
     full_recompute = recompute is True or recompute == "full"

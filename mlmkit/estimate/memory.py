@@ -296,7 +296,7 @@ def _stage_extra(model: GPTConfig, *, s: int, b: int, t: int, sp: bool, pre: boo
 
 def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: int, microbatches: int,
                     schedule: str = "1f1b", chunks: int = 1, sequence_parallel: bool = False,
-                    recompute: Union[bool, str] = False, zero1: bool = False, precision="fp32",
+                    recompute: Union[bool, str] = False, zero1: bool = False, precision: Optional[str] = None,
                     implementation: str = "mlmkit", layers_per_stage: Optional[Sequence[int]] = None,
                     microbatch_group: Optional[int] = None, zero: Optional[int] = None, prefetch: int = 0,
                     reshard_after_forward: bool = True):
@@ -314,6 +314,9 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
     """
     import pandas as pd
 
+    if precision is None:
+        raise ValueError("estimate_memory: give precision='fp32' or 'bf16' (the run's; never assumed), or call "
+                         "estimate_train_memory(config), which takes everything from the config")
     pr = _precision(precision)
     sched = make_schedule(schedule, stages=topology.pp, microbatches=microbatches, chunks=chunks, layers=model.layers,
                           microbatch_group=microbatch_group)

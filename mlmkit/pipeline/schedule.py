@@ -513,10 +513,17 @@ def schedule_from_table(table, *, stages: Optional[int] = None, microbatches: Op
     """Build a hand-written schedule from a table (DataFrame or list of dicts / tuples).
 
     Rows need ``rank``, ``kind``, ``microbatch`` and optionally ``chunk`` and ``peer``, in execution
-    order per rank. With ``add_communication=True`` the table lists compute actions only and sends
+    order per rank; a tuple row is ``(rank, kind, microbatch)`` or ``(rank, kind, microbatch, chunk,
+    peer)`` (a 4-tuple is refused: it is ambiguous). With ``add_communication=True`` the table lists compute actions only and sends
     and receives are inserted as the generators do. The result is not validated here: pass it to
     :func:`mlmkit.pipeline.validate` (the executor does so before running anything).
     """
+    if not hasattr(table, "to_dict"):
+        for i, r in enumerate(table):
+            if not isinstance(r, dict) and len(r) not in (3, 5):
+                raise ScheduleError(
+                    f"row {i} {tuple(r)!r} has {len(r)} entries: a tuple row is (rank, kind, microbatch) or "
+                    f"(rank, kind, microbatch, chunk, peer); use a dict to give some of chunk and peer only")
     rows = table.to_dict("records") if hasattr(table, "to_dict") else [
         dict(zip(("rank", "kind", "microbatch", "chunk", "peer"), r)) if not isinstance(r, dict) else r
         for r in table

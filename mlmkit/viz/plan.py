@@ -1,0 +1,57 @@
+"""Pictures of a plan (:func:`mlmkit.plan.plan`'s table): where each layout's step time goes, and
+its memory per GPU against the GPU's. DataFrames in, plotly figures out; no torch."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import pandas as pd
+import plotly.graph_objects as go
+
+__all__ = ["PLAN_PARTS", "plan_breakdown_figure", "plan_memory_figure"]
+
+#: The parts of a predicted step, in stacking order, with their colours.
+PLAN_PARTS = {"compute_s": ("compute", "#4C78A8"), "tp_comm_s": ("tp comm", "#F58518"),
+              "cp_comm_s": ("cp comm (exposed)", "#EECA3B"), "ep_comm_s": ("ep all-to-all", "#B279A2"),
+              "pp_comm_s": ("pp messages", "#72B7B2"), "bubble_s": ("pipeline bubble", "#BAB0AC"),
+              "dp_comm_s": ("dp comm (exposed)", "#E45756"), "optimizer_s": ("optimizer", "#54A24B")}
+
+
+def _label(row) -> str:
+    return (f"tp{row.tp} cp{row.cp} pp{row.pp} dp{row.dp} v{row.chunks} b{row.micro_batch_size} "
+            f"{row.recompute[:4]} z{row.zero}")
+
+
+def plan_breakdown_figure(table: pd.DataFrame, *, top: int = 10, title: Optional[str] = None) -> go.Figure:
+    """Stacked horizontal bars: each of the ``top`` first layouts' step time split into compute,
+    exposed communication per axis, bubble and optimizer (seconds), best layout on top."""
+    part = table.head(top)
+    labels = [_label(r) for r in part.itertuples()]
+    fig = go.Figure()
+    for col, (name, color) in PLAN_PARTS.items():
+        if col in part and part[col].sum() > 0:
+            fig.add_trace(go.Bar(y=labels, x=part[col], orientation="h", name=name, marker_color=color,
+                                 hovertemplate=f"{name}: " + "%{x:.3f} s<extra></extra>"))
+    fig.update_layout(barmode="stack", title=title or "Where the step time goes (predicted)",
+                      xaxis_title="seconds per step", yaxis=dict(autorange="reversed"), plot_bgcolor="white",
+                      height=120 + 28 * len(part), legend=dict(orientation="h", y=-0.2))
+    return fig
+
+
+def plan_memory_figure(table: pd.DataFrame, *, gpu_memory_bytes: float, top: int = 10) -> go.Figure:
+    """Memory per GPU of the ``top`` first layouts (model state and activations, with the allowance
+    on top), against the GPU's memory (dashed)."""
+    part = table.head(top)
+    labels = [_label(r) for r in part.itertuples()]
+    gib = 2**30
+    other = part.memory_per_gpu_bytes - part.state_bytes - part.activation_bytes
+    fig = go.Figure([
+        go.Bar(y=labels, x=part.state_bytes / gib, orientation="h", name="model state", marker_color="#4C78A8"),
+        go.Bar(y=labels, x=part.activation_bytes / gib, orientation="h", name="activations", marker_color="#F58518"),
+        go.Bar(y=labels, x=other / gib, orientation="h", name="buffers and fragmentation", marker_color="#BAB0AC"),
+    ])
+    fig.add_vline(x=gpu_memory_bytes / gib, line_dash="dash", annotation_text="GPU memory")
+    fig.update_layout(barmode="stack", title="Memory per GPU (predicted, largest stage)", xaxis_title="GiB",
+                      yaxis=dict(autorange="reversed"), plot_bgcolor="white", height=120 + 28 * len(part),
+                      legend=dict(orientation="h", y=-0.2))
+    return fig
