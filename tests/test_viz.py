@@ -127,9 +127,21 @@ def test_schedule_explorer_from_python():
     assert ex.result.schedule.split_backward
     ex.microbatches.value = 2                    # fewer than stages: runs, with a note
     assert ex.result is not None and "bubble is large" in ex.summary.value
-    ex.schedule.value = "interleaved-1f1b"       # interleaving refuses it: shown, not raised
+    ex.schedule.value = "interleaved-1f1b"       # interleaving refuses it: shown below the controls, not raised
     assert ex.result is None and "too few microbatches" in ex.error
-    assert "Not a valid schedule" in ex.summary.value
+    assert "Not a valid schedule" in ex.error_box.value and "m=2" in ex.summary.value   # the values stay visible
+
+
+def test_explorer_charges_each_chunk_its_share_and_splits_backward():
+    ex = schedule_explorer(schedule="1f1b", stages=4, microbatches=8)
+    plain = ex.result.step_time
+    assert plain == pytest.approx((8 + 3) * 3.0)           # F + B + W = 3 per microbatch, (m + p - 1) slots
+    ex.schedule.value = "interleaved-1f1b"
+    ex.chunks.value = 2
+    assert ex.result.step_time < plain                      # the same work, a smaller bubble
+    ex.schedule.value = "zb-h1"
+    assert ex.result.bubble_fraction < 3 / 11               # W fills the bubble with the default costs
+    assert "1.00x" not in ex.summary.value and "the time without bubble" in ex.summary.value
 
 
 def test_save_html_is_standalone(tmp_path):

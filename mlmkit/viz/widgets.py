@@ -37,20 +37,27 @@ def _show(output: W.Output, fig) -> None:
 class ScheduleExplorer:
     """Pick a schedule, p, m, v and the costs of F, B and W; see the timeline, bubble and peak in-flight.
 
-    Everything is simulated on the driver (pure Python): no cluster needed.
+    Costs are per rank and microbatch (the rank's whole share of the model): ``F`` the forward,
+    ``B`` the backward's input-gradient part, ``W`` its weight-gradient part. A full backward
+    costs ``B + W``; a split schedule (zb-h1, zb-v, dualpipev) runs them as separate I and W
+    actions. With ``v`` chunks per rank each chunk costs ``1/v`` of them, so interleaving does
+    the same work in more, smaller pieces. Everything is simulated on the driver (pure Python).
     """
 
     def __init__(self, *, schedule: str = "1f1b", stages: int = 4, microbatches: int = 8, chunks: int = 2,
-                 forward: float = 1.0, backward: float = 2.0, weight: float = 0.0):
+                 forward: float = 1.0, backward: float = 1.0, weight: float = 1.0):
         style = {"description_width": "110px"}
         self.schedule = W.Dropdown(options=list(SCHEDULES), value=schedule, description="schedule", style=style)
         self.stages = W.IntSlider(value=stages, min=1, max=8, description="stages p", style=style)
         self.microbatches = W.IntSlider(value=microbatches, min=1, max=32, description="microbatches m", style=style)
         self.chunks = W.IntSlider(value=chunks, min=2, max=4, description="chunks v", style=style)
         self.forward = W.FloatSlider(value=forward, min=0.1, max=4.0, step=0.1, description="cost F", style=style)
-        self.backward = W.FloatSlider(value=backward, min=0.1, max=8.0, step=0.1, description="cost B", style=style)
-        self.weight = W.FloatSlider(value=weight, min=0.0, max=4.0, step=0.1, description="cost W", style=style)
+        self.backward = W.FloatSlider(value=backward, min=0.1, max=8.0, step=0.1, description="cost B (inputs)",
+                                      style=style)
+        self.weight = W.FloatSlider(value=weight, min=0.0, max=4.0, step=0.1, description="cost W (weights)",
+                                    style=style)
         self.summary = W.HTML()
+        self.error_box = W.HTML()
         self.output = W.Output()
         self.figure = None
         self.result = None
@@ -58,7 +65,7 @@ class ScheduleExplorer:
         for w in (self.schedule, self.stages, self.microbatches, self.chunks, self.forward, self.backward, self.weight):
             w.observe(lambda _change: self.update(), names="value")
         controls = W.VBox([self.schedule, self.stages, self.microbatches, self.chunks,
-                           self.forward, self.backward, self.weight])
+                           self.forward, self.backward, self.weight, self.error_box])
         self.widget = W.VBox([W.HBox([controls, self.summary]), self.output])
         self.update()
 
@@ -67,22 +74,29 @@ class ScheduleExplorer:
         name = self.schedule.value
         self.chunks.disabled = name != "interleaved-1f1b"
         chunks = self.chunks.value if name == "interleaved-1f1b" else (2 if name in V_SCHEDULES else 1)
-        costs = {"forward": self.forward.value, "backward": self.backward.value, "weight": self.weight.value}
+        F, B, Wt = self.forward.value, self.backward.value, self.weight.value
+        costs = {"forward": F / chunks, "backward": B / chunks, "weight": Wt / chunks}   # a chunk: its share
+        values = (f"<p><b>{name}</b>, p={self.stages.value}, m={self.microbatches.value}"
+                  + (f", v={chunks}" if chunks > 1 else "") + f"; per rank and microbatch F={F:g}, B={B:g}, W={Wt:g}</p>")
         try:
             sched = make_schedule(name, stages=self.stages.value, microbatches=self.microbatches.value, chunks=chunks)
             self.result = simulate(sched, costs)
             self.error = None
+            self.error_box.value = ""
         except ScheduleError as err:
             self.result, self.error = None, str(err)
-            self.summary.value = f"<p style='color:#b00'><b>Not a valid schedule:</b> {html.escape(self.error)}</p>"
+            self.summary.value = values
+            self.error_box.value = f"<p style='color:#b00'><b>Not a valid schedule:</b> {html.escape(self.error)}</p>"
             self.output.clear_output()
             return
         r = self.result
+        ideal = sched.microbatches * (F + B + Wt)
         peaks = ", ".join(f"r{k}: {v}" for k, v in r.peak_inflight.items())
         self.summary.value = (
-            f"<p><b>{name}</b>, p={sched.stages}, m={sched.microbatches}, v={sched.chunks}</p>"
-            f"<p>step time <b>{r.step_time:.3g}</b><br>bubble <b>{r.bubble_fraction:.1%}</b> of the step"
-            f" ({r.bubble_ratio:.1%} of the ideal time)<br>peak in-flight microbatches: {peaks}</p>"
+            values
+            + f"<p>step time <b>{r.step_time:.3g}</b> (no bubble: m x (F + B + W) = {ideal:.3g})<br>"
+            f"bubble <b>{r.bubble_fraction:.1%}</b> of each rank's step: the step takes "
+            f"<b>{r.step_time / ideal:.2f}x</b> the time without bubble<br>peak in-flight microbatches: {peaks}</p>"
             + "".join(f"<p><i>note: {html.escape(n)}</i></p>" for n in sched.notes))
         self.figure = timeline_figure(r.timeline, title=f"{name}: simulated")
         _show(self.output, self.figure)
