@@ -153,6 +153,38 @@ summary
     code("""
 cluster.shutdown()
 """),
+    md("""
+## What this showed
+* Four ranks trained one model: tp = 2 split each weight matrix, pp = 2 split the layer stack, and
+  the loss went down exactly as the serial model's would.
+* The timeline shows the pipeline's bubble: ranks idle while the pipeline fills and drains.
+* Memory and bytes per rank are measured on the engines and match the estimator.
+
+## Exercises (predict, then check)
+1. With pp = 2 and 4 microbatches under 1F1B (forward and backward of equal cost), what share of
+   the step is bubble?
+2. With 8 microbatches instead, does that share go up or down?
+3. Compared with one process holding the whole model, what fraction of the parameters does each of
+   the 4 ranks hold (roughly)?
+
+Set `SHOW_ANSWERS = True` and run the next cell to check your predictions.
+"""),
+    code("""
+from mlmkit.pipeline import make_schedule, simulate
+from mlmkit.train import demo_config
+SHOW_ANSWERS = False
+share = {m: simulate(make_schedule("1f1b", stages=2, microbatches=m), {"forward": 1, "backward": 1}).bubble_fraction
+         for m in (4, 8)}
+cfg = demo_config()
+params = estimate_memory(cfg.model, cfg.topology, micro_batch_size=cfg.micro_batch_size,
+                         microbatches=cfg.microbatches, precision=cfg.precision).parameters
+serial = estimate_memory(cfg.model, cfg.topology.__class__(), micro_batch_size=cfg.micro_batch_size,
+                         microbatches=cfg.microbatches, precision=cfg.precision).parameters[0]
+answers = {1: round(share[4], 3), 2: "down" if share[8] < share[4] else "up", 3: round(float(params.mean() / serial), 2)}
+assert answers[1] == round(1 / 5, 3) and answers[2] == "down" and 0.2 < answers[3] < 0.4
+if SHOW_ANSWERS:
+    print(answers)
+"""),
 ]
 
 # =====================================================================================================
@@ -339,6 +371,32 @@ replicated key/value heads add one gradient sum per step.
     code("""
 cluster.shutdown()
 """),
+    md("""
+## What this showed
+* A column-parallel layer followed by a row-parallel one needs a single all-reduce in forward (and
+  one in backward): Megatron-LM's f and g operators.
+* Each rank holds `1/t` of the weights; the results equal the serial layer's.
+* Grouped-query attention replicates key/value heads when tp exceeds their count.
+
+## Exercises (predict, then check)
+1. With hidden 64, MLP width 256 and tp = 2, what is the shape of a rank's fc1 weight (out, in)?
+2. How many all-reduces does a column->row MLP run in its forward?
+3. How many bytes does that all-reduce carry for s = 16, b = 4, h = 64 in fp32?
+
+Set `SHOW_ANSWERS = True` and run the next cell to check your predictions.
+"""),
+    code("""
+import torch
+from mlmkit.distributed import CommGroup, ProcessGroups
+from mlmkit.tensor_parallel import ColumnParallelLinear
+from mlmkit.trace import Tracer
+SHOW_ANSWERS = False
+fc1 = ColumnParallelLinear(64, 256, tp=CommGroup(axis="tp", ranks=[0, 1], global_rank=1, pg=None))
+answers = {1: tuple(fc1.weight.shape), 2: 1, 3: 16 * 4 * 64 * 4}
+assert answers == {1: (128, 64), 2: 1, 3: 16384}
+if SHOW_ANSWERS:
+    print(answers)
+"""),
 ]
 
 # =====================================================================================================
@@ -513,6 +571,31 @@ little: `simulate(..., cores=2)` models exactly that (see `benchmarks/RESULTS.md
     code("""
 cluster.shutdown()
 """),
+    md("""
+## What this showed
+* A schedule is data: per rank, the order of forwards, backwards and messages; it is validated
+  (deadlocks, mis-paired messages) before anything runs.
+* The bubble of GPipe and 1F1B is `(p−1)/(m+p−1)` of the step; interleaving divides it by `v`;
+  zero-bubble schedules fill it with weight-gradient work.
+* Measured timelines follow the simulation once its costs are calibrated from a real step.
+
+## Exercises (predict, then check)
+1. GPipe with p = 4 and m = 4, equal costs: what share of the step is bubble?
+2. Interleaved 1F1B with p = 4, m = 8, v = 2: the bubble as a share of the time without bubble?
+3. Under 1F1B with p = 4, how many microbatches does rank 0 hold at most at once?
+
+Set `SHOW_ANSWERS = True` and run the next cell to check your predictions.
+"""),
+    code("""
+SHOW_ANSWERS = False
+gp = simulate(make_schedule("gpipe", stages=4, microbatches=4), {"forward": 1, "backward": 1})
+il = simulate(make_schedule("interleaved-1f1b", stages=4, microbatches=8, chunks=2), {"forward": 0.5, "backward": 0.5})
+one = simulate(make_schedule("1f1b", stages=4, microbatches=8), {"forward": 1, "backward": 1})
+answers = {1: round(gp.bubble_fraction, 4), 2: round(il.bubble_ratio, 4), 3: one.peak_inflight[0]}
+assert answers == {1: round(3 / 7, 4), 2: round(3 / 16, 4), 3: 4}
+if SHOW_ANSWERS:
+    print(answers)
+"""),
 ]
 
 # =====================================================================================================
@@ -662,6 +745,30 @@ peaks
 pd.DataFrame({f"zero {z}": [bytes_per_parameter(zero=z, dp=d) for d in (1, 2, 8, 64)] for z in range(4)},
              index=pd.Index([1, 2, 8, 64], name="d")).round(2)
 """),
+    md("""
+## What this showed
+* Data parallelism averages gradients over replicas; ZeRO-1 shards the optimizer state, ZeRO-2 the
+  gradients too, ZeRO-3 the parameters as well, gathered layer by layer when used.
+* The stages move the same bytes except ZeRO-3, which gathers each layer again for its backward:
+  1.5x with one microbatch.
+* Every byte of model state and every byte on the wire is measured and equals the estimator.
+
+## Exercises (predict, then check)
+1. Bytes per parameter of bf16 training with ZeRO-3 over 8 replicas?
+2. With ZeRO-1, are the gradients per rank smaller than with plain data parallelism?
+3. Per step, how many bytes does ZeRO-3 move compared with ZeRO-0 here (one microbatch)?
+
+Set `SHOW_ANSWERS = True` and run the next cell to check your predictions.
+"""),
+    code("""
+SHOW_ANSWERS = False
+g = {name: measured_memory(r["traces"]["memory"]).gradients.max() for name, r in runs.items()}
+answers = {1: bytes_per_parameter(zero=3, dp=8), 2: bool(g["zero 1"] < g["zero 0"]),
+           3: float(frame[(frame.stage == 3) & (frame["rank"] == 0)]["vs zero 0"].iloc[0])}
+assert answers == {1: 2.25, 2: False, 3: 1.5}
+if SHOW_ANSWERS:
+    print(answers)
+"""),
 ]
 
 # =====================================================================================================
@@ -764,6 +871,32 @@ pd.Series({
 """),
     code("""
 cluster.shutdown()
+"""),
+    md("""
+## What this showed
+* Memory per rank is model state (parameters, gradients, optimizer) plus activations, and the
+  estimator predicts both from the configuration.
+* Recomputation trades compute for activation memory; sequence parallelism splits the activations
+  that tensor parallelism leaves replicated; bf16 halves activations and parameters.
+
+## Exercises (predict, then check)
+1. Korthikanti et al.'s activations per layer: by what factor does full recomputation shrink them
+   for s = 2048, b = 1, h = 12288, a = 96, t = 8 with sequence parallelism?
+2. Model-state bytes per parameter: fp32 AdamW against bf16 mixed precision?
+3. Does sequence parallelism change the parameter memory?
+
+Set `SHOW_ANSWERS = True` and run the next cell to check your predictions.
+"""),
+    code("""
+from mlmkit.estimate import activation_bytes_per_layer, bytes_per_parameter
+SHOW_ANSWERS = False
+args = dict(s=2048, b=1, h=12288, a=96, t=8, sequence_parallel=True, precision="bf16", implementation="megatron")
+ratio = activation_bytes_per_layer(**args) / activation_bytes_per_layer(**args, recompute="full")
+answers = {1: round(ratio, 1), 2: (bytes_per_parameter(precision="fp32"), bytes_per_parameter(precision="bf16")),
+           3: False}
+assert answers[2] == (16, 18) and answers[1] > 10
+if SHOW_ANSWERS:
+    print(answers)
 """),
 ]
 
@@ -891,6 +1024,33 @@ print("\\n".join(plan.describe(0)[:8]))
 """),
     code("""
 cluster.shutdown()
+"""),
+    md("""
+## What this showed
+* Wrong shapes and configs fail before anything starts, naming the value and the fix.
+* A failing rank is named with its traceback within seconds; its peers are released, and the next
+  call works.
+* Schedules that would deadlock or mis-pair their messages are refused before they run.
+
+## Exercises (predict, then check)
+1. Which exception does the driver raise when one rank's code raises?
+2. Is a schedule whose backward comes before its forward accepted by `validate`?
+3. A table row given as a tuple: how many entries may it have?
+
+Set `SHOW_ANSWERS = True` and run the next cell to check your predictions.
+"""),
+    code("""
+from mlmkit.cluster import RankError
+SHOW_ANSWERS = False
+try:
+    validate(schedule_from_table([(0, "B", 0), (0, "F", 0)]))
+    accepted = True
+except ScheduleError:
+    accepted = False
+answers = {1: RankError.__name__, 2: accepted, 3: (3, 5)}
+assert answers == {1: "RankError", 2: False, 3: (3, 5)}
+if SHOW_ANSWERS:
+    print(answers)
 """),
 ]
 
