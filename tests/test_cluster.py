@@ -221,3 +221,16 @@ def test_kernel_gone_leaves_no_process_or_folder(tmp_path, how):
         time.sleep(0.5)
     assert alive(pids) == [] and not os.path.exists(folder)
     proc.wait()
+
+
+def test_starting_the_same_grid_again_stops_the_first(capsys):
+    # A notebook cell `cluster = Cluster(...).start()` run twice: the first engines are stopped.
+    first = Cluster(topology=Topology(), timeout_s=60).start()
+    pids = first.pids()
+    second = Cluster(topology=Topology(), timeout_s=60).start()
+    try:
+        assert not first.running and alive(pids) == []
+        assert "stopping the 1-engine cluster" in capsys.readouterr().out
+        assert second.run(lambda r: r.rank) == {0: 0}
+    finally:
+        second.shutdown()

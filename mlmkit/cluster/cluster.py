@@ -55,6 +55,10 @@ from mlmkit.topology import Topology
 
 __all__ = ["Cluster", "EngineDied", "RankError", "RankTimeout", "alive", "max_local_engines"]
 
+#: Clusters this process started and has not shut down (a process-wide resource list: a notebook
+#: that re-runs its cluster cell must not leave the first engines running unreachable).
+_STARTED: set = set()
+
 STATE = "mlmkit_rank"   # name of the EngineState in each engine's namespace
 #: Memory one CPU engine takes with torch imported (measured ~0.3 GiB RSS), with headroom.
 ENGINE_BYTES = 400 * 2**20
@@ -214,6 +218,14 @@ class Cluster:
 
         if self.running:
             return self
+        for other in list(_STARTED):
+            # Re-running a notebook cell would start a second set of engines beside the first, which
+            # nobody can reach any more: the earlier cluster of the same grid and profile is stopped.
+            if other is not self and other.running and other.topology == self.topology and other.profile == self.profile:
+                print(f"mlmkit: stopping the {other.world_size}-engine cluster ({other.topology!r}, profile "
+                      f"{other.profile!r}) started earlier in this process before starting a new one; keep one "
+                      f"Cluster per grid, or use `with Cluster(...) as cluster:`", flush=True)
+                other.shutdown()
         t0 = time.perf_counter()
         self._profile_dir = tempfile.mkdtemp(prefix="mlmkit-ipp-")
         _finalizer = weakref.finalize(self, shutil.rmtree, self._profile_dir, True)
@@ -238,6 +250,7 @@ class Cluster:
             self.shutdown()
             raise
         self.start_time_s = time.perf_counter() - t0
+        _STARTED.add(self)
         return self
 
     def _pids_file(self) -> str:
@@ -380,6 +393,7 @@ class Cluster:
 
         Returns the pids that had to be killed by force (normally none).
         """
+        _STARTED.discard(self)
         if self.ipp_cluster is None and not self._attached:
             return []
         if self.client is not None and self.engine_ids:
