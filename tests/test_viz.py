@@ -1,5 +1,6 @@
 """Figures are functions of DataFrames: check each figure's data against its frame; widgets from Python."""
 
+import re
 import subprocess
 import sys
 
@@ -308,3 +309,20 @@ def test_plan_figures_stack_the_predicted_parts():
     mem = plan_memory_figure(table, gpu_memory_bytes=80 * 2**30)
     stacked = sum(pd.Series(list(t.x)) for t in mem.data)
     assert (stacked * 2**30 - table.memory_per_gpu_bytes.reset_index(drop=True)).abs().max() < 1
+
+
+def test_static_report_shows_widget_fallbacks_loads_nothing_and_has_a_title():
+    import nbformat
+
+    from mlmkit.demo import static_report
+    from mlmkit.viz import schedule_explorer
+
+    ex = schedule_explorer(schedule="1f1b", stages=2, microbatches=4)
+    bundle = ex._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle and "bubble" in bundle["text/html"]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("explorer")])
+    nb.cells[0].outputs = [nbformat.v4.new_output("display_data", data={k: v for k, v in bundle.items()})]
+    html = static_report(nb, title="my report")
+    assert "<title>my report</title>" in html
+    assert "bubble" in html and "widget-view" not in html
+    assert not re.search(r"<script[^>]*src=[\"']https?://", html)

@@ -101,8 +101,14 @@ class ScheduleExplorer:
         self.figure = timeline_figure(r.timeline, title=f"{name}: simulated")
         _show(self.output, self.figure)
 
-    def _ipython_display_(self) -> None:
-        display(self.widget)
+    def _repr_mimebundle_(self, **kwargs):
+        # The live widget, and for a static page (an exported report) its current state as HTML.
+        bundle = self.widget._repr_mimebundle_(**kwargs)
+        fallback = self.summary.value + self.error_box.value
+        if self.figure is not None:
+            fallback += self.figure.to_html(full_html=False, include_plotlyjs=False)
+        bundle["text/html"] = fallback
+        return bundle
 
 
 def schedule_explorer(**kwargs) -> ScheduleExplorer:
