@@ -1,5 +1,6 @@
 """AdamW for parallel training: replicated (plain data parallelism) or sharded over dp (ZeRO-1),
-in fp32 or in mixed precision.
+in fp32 or in mixed precision. ZeRO-2 and ZeRO-3 (gradients and parameters sharded too, layer by
+layer) are in :mod:`mlmkit.data_parallel.zero`; :func:`make_optimizer` picks by stage.
 
 Both optimizers do, in :meth:`step`: average gradients over the dp group, clip to a global norm
 counted once per element (:mod:`mlmkit.data_parallel.grads`), then an AdamW update
