@@ -47,6 +47,14 @@ def _reset_peak() -> bool:
         return False
 
 
+def _config():
+    """mlmkit's side: ZeRO-3 over dp=2, fp32, no clipping, tracing off."""
+    from mlmkit.train import TrainConfig
+
+    return TrainConfig(model=MODEL, dp=2, zero=3, micro_batch_size=MBS, global_batch_size=2 * MBS, grad_clip=0.0,
+                       tracing=False, lr=1e-3, warmup_steps=0, max_steps=1000)
+
+
 def _fsdp2_model():
     """mlmkit's serial GPT (same seed, so the same weights as the trainer's) under FSDP2."""
     from torch.distributed.fsdp import fully_shard
@@ -68,12 +76,10 @@ def _run(rank, world_size, reps):
 
     from mlmkit import Topology
     from mlmkit.distributed import ProcessGroups
-    from mlmkit.train import TrainConfig
     from mlmkit.train.trainer import Trainer
 
     torch.set_num_threads(1)
-    cfg = TrainConfig(model=MODEL, dp=2, zero=3, micro_batch_size=MBS, global_batch_size=2 * MBS, grad_clip=0.0,
-                      tracing=False, lr=1e-3, warmup_steps=0, max_steps=1000)
+    cfg = _config()
     groups = ProcessGroups.build(Topology(dp=2))
     trainer = Trainer(cfg, groups=groups)
 
@@ -132,7 +138,6 @@ def _memory(rank, world_size, side):
 
     from mlmkit import Topology
     from mlmkit.distributed import ProcessGroups
-    from mlmkit.train import TrainConfig
     from mlmkit.train.data import TextData
     from mlmkit.train.trainer import Trainer
 
@@ -140,8 +145,7 @@ def _memory(rank, world_size, side):
 
     ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)     # M_MMAP_THRESHOLD: big blocks go back at once
     torch.set_num_threads(1)
-    cfg = TrainConfig(model=MODEL, dp=2, zero=3, micro_batch_size=MBS, global_batch_size=2 * MBS, grad_clip=0.0,
-                      tracing=False, lr=1e-3, warmup_steps=0, max_steps=1000)
+    cfg = _config()
     groups = ProcessGroups.build(Topology(dp=2))
     data = TextData(seq_len=MODEL.seq_len)
     tokens, targets = data.batch(0, cfg.global_batch_size)
@@ -175,12 +179,10 @@ def _check_losses(rank, world_size):
 
     from mlmkit import Topology
     from mlmkit.distributed import ProcessGroups
-    from mlmkit.train import TrainConfig
     from mlmkit.train.trainer import Trainer
 
     torch.set_num_threads(1)
-    cfg = TrainConfig(model=MODEL, dp=2, zero=3, micro_batch_size=MBS, global_batch_size=2 * MBS, grad_clip=0.0,
-                      tracing=False)
+    cfg = _config()
     trainer = Trainer(cfg, groups=ProcessGroups.build(Topology(dp=2)))
     plain = _fsdp2_model()
     tokens, targets = trainer.data.batch(0, cfg.global_batch_size)

@@ -20,7 +20,9 @@ from mlmkit.model import GPTConfig, gather_full
 from mlmkit.model.config import llama_config
 from mlmkit.trace.export import merge_traces
 from mlmkit.train import TrainConfig
-from mlmkit.train.trainer import Trainer, traced_step
+from mlmkit.train.trainer import traced_step
+
+from parity_helpers import first_step_gradients
 
 GPT2 = GPTConfig(vocab_size=256, seq_len=16, hidden=32, heads=4, layers=4)
 LLAMA = llama_config(seq_len=16, hidden=32, heads=4, kv_heads=2, layers=4, ffn_hidden=64)
@@ -126,13 +128,7 @@ def _config(model: str, **options) -> TrainConfig:
 
 
 def _train(rank, world_size, cfg_dict):
-    cfg = TrainConfig.from_dict(cfg_dict)
-    groups = ProcessGroups.build(cfg.topology) if world_size > 1 else ProcessGroups.single()
-    trainer = Trainer(cfg, groups=groups)
-    trainer.begin_step()
-    while not trainer.executor.done:
-        trainer.executor.step_action()
-    trainer.executor.finalize()
+    cfg, groups, trainer = first_step_gradients(world_size, cfg_dict)
     grads = {}
     for chunk in trainer.chunks:
         grads.update(gather_full(chunk, grads=True))

@@ -153,14 +153,22 @@ CP_EP_CFG = TrainConfig(model=GPTConfig(vocab_size=256, seq_len=16, hidden=32, h
 CP_EP_SWEEP = [(rank, point) for rank in (1, 2) for point in _points(rank, CP_EP_CFG)]
 
 
-def test_cp_and_expert_groups_released_and_rebuilt_after_a_failure():
-    cluster = Cluster(topology=CP_EP_CFG.topology, timeout_s=TIMEOUT_S, grace_s=2.0)
-    with cluster:
-        h = Harness(cluster, CP_EP_CFG, ref_steps=len(CP_EP_SWEEP) + 2)
+def _sweep_on_own_cluster(cfg, sweep, after=None):
+    """A cluster of ``cfg``'s grid: raise at every point of ``sweep`` (see :func:`_raise_everywhere`),
+    then return ``after(cluster)`` if given."""
+    with Cluster(topology=cfg.topology, timeout_s=TIMEOUT_S, grace_s=2.0) as cluster:
+        h = Harness(cluster, cfg, ref_steps=len(sweep) + 2)
         h.check_next_step()
-        _raise_everywhere(h, CP_EP_SWEEP)
-        groups = cluster.run(lambda r: sorted(g.axis for g in r.groups.all_groups() if g.size > 1))
-        assert set(groups[0]) >= {"cp", "dp", "ep", "expert-dp", "world"}, groups
+        _raise_everywhere(h, sweep)
+        return after(cluster) if after is not None else None
+
+
+def test_cp_and_expert_groups_released_and_rebuilt_after_a_failure():
+    def live_groups(cluster):
+        return cluster.run(lambda r: sorted(g.axis for g in r.groups.all_groups() if g.size > 1))
+
+    groups = _sweep_on_own_cluster(CP_EP_CFG, CP_EP_SWEEP, after=live_groups)
+    assert set(groups[0]) >= {"cp", "dp", "ep", "expert-dp", "world"}, groups
 
 
 def test_engine_killed_mid_step(harness):
@@ -261,8 +269,4 @@ ZERO3_SWEEP = [(rank, point) for rank in (1, 2) for point in _points(rank, ZERO3
 
 
 def test_zero3_recovers_from_a_failure_at_every_action_index():
-    cluster = Cluster(topology=ZERO3_CFG.topology, timeout_s=TIMEOUT_S, grace_s=2.0)
-    with cluster:
-        h = Harness(cluster, ZERO3_CFG, ref_steps=len(ZERO3_SWEEP) + 2)
-        h.check_next_step()
-        _raise_everywhere(h, ZERO3_SWEEP)
+    _sweep_on_own_cluster(ZERO3_CFG, ZERO3_SWEEP)

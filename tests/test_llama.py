@@ -11,6 +11,8 @@ from mlmkit.model.config import llama_config
 from mlmkit.train import TrainConfig
 from mlmkit.train.trainer import Trainer
 
+from parity_helpers import first_step_gradients
+
 MODEL = llama_config(seq_len=16, hidden=32, heads=4, kv_heads=2, layers=4, ffn_hidden=64)
 BASE = TrainConfig(model=MODEL, micro_batch_size=2, global_batch_size=16, lr=3e-3, min_lr=3e-4, warmup_steps=1,
                    max_steps=5, grad_clip=1.0, weight_decay=0.01)
@@ -50,13 +52,7 @@ def _global_grads(trainer) -> dict:
 
 
 def _run(rank, world_size, cfg_dict):
-    cfg = TrainConfig.from_dict(cfg_dict)
-    groups = ProcessGroups.build(cfg.topology) if world_size > 1 else ProcessGroups.single()
-    trainer = Trainer(cfg, groups=groups)
-    trainer.begin_step()
-    while not trainer.executor.done:
-        trainer.executor.step_action()
-    trainer.executor.finalize()
+    cfg, groups, trainer = first_step_gradients(world_size, cfg_dict)
     grads = _global_grads(trainer)
     losses = [trainer.finish_step()["loss"]]
     losses += [trainer.train_step()["loss"] for _ in range(STEPS - 1)]

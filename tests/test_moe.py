@@ -23,6 +23,8 @@ from mlmkit.train import TrainConfig
 from mlmkit.train.checkpoint import load_checkpoint, save_checkpoint
 from mlmkit.train.trainer import Trainer, traced_step
 
+from parity_helpers import first_step_gradients
+
 MODEL = moe_config(seq_len=16, hidden=32, heads=4, kv_heads=2, layers=2, ffn_hidden=64)
 STEPS = 3
 FP32_TOL = 1e-5
@@ -66,13 +68,7 @@ def _train(rank, world_size, cfg_dict, starve=False):
 
 
 def _run(rank, world_size, cfg_dict):
-    cfg = TrainConfig.from_dict(cfg_dict)
-    groups = ProcessGroups.build(cfg.topology) if world_size > 1 else ProcessGroups.single()
-    trainer = Trainer(cfg, groups=groups)
-    trainer.begin_step()
-    while not trainer.executor.done:
-        trainer.executor.step_action()
-    trainer.executor.finalize()
+    cfg, groups, trainer = first_step_gradients(world_size, cfg_dict)
     experts = _expert_names(trainer)
     grads = {}
     for chunk in trainer.chunks:

@@ -131,6 +131,24 @@ def counted_spans(params, counted, start: int, size: int) -> list[tuple[int, int
     return spans
 
 
+def flatten_padded(tensors, size: int) -> torch.Tensor:
+    """``tensors`` flattened into one vector ``[size]``, zero-padded at the end (the shards of a
+    flat vector split over replicas)."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    pad = size - flat.numel()
+    return torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
+
+
+def copy_flat_into(params, flat: torch.Tensor) -> None:
+    """The inverse of :func:`flatten_padded` for parameters: copy consecutive pieces of ``flat``
+    into ``params`` (the padding is ignored)."""
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            p.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
 def shard_sumsq(grad: torch.Tensor, spans) -> torch.Tensor:
     """Sum of squares (fp64) of ``grad`` over ``spans``."""
     total = torch.zeros((), dtype=torch.float64, device=grad.device)
@@ -252,10 +270,7 @@ class ShardedAdamW(_Base):
         return super().state_tensors() + [self.shard]
 
     def _flat(self, tensors) -> torch.Tensor:
-        # [N] -> [dp * shard_size], zero-padded at the end.
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        pad = self.shard_size * self.reduce.size - flat.numel()
-        return torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
+        return flatten_padded(tensors, self.shard_size * self.reduce.size)     # [N] -> [dp * shard_size]
 
     def reduce_grads(self) -> None:
         dp = self.reduce
@@ -282,11 +297,7 @@ class ShardedAdamW(_Base):
         # The updated weights travel in the parameters' own dtype (bf16 under mixed precision).
         mine = self.shard.detach().to(self.param_dtype)
         full = dp.all_gather(mine, dim=0, site=f"zero1.params.{self.label}") if dp.size > 1 else mine
-        offset = 0
-        with torch.no_grad():
-            for p in self.params:
-                p.copy_(full[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+        copy_flat_into(self.params, full)
 
     def _gather(self, local: torch.Tensor) -> torch.Tensor:
         dp = self.reduce

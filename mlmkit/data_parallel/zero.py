@@ -56,7 +56,8 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from mlmkit.data_parallel.optimizer import _STATE_KEYS, _Base, counted_spans, shard_sumsq
+from mlmkit.data_parallel.optimizer import (_STATE_KEYS, _Base, copy_flat_into, counted_spans, flatten_padded,
+                                            shard_sumsq)
 from mlmkit.distributed import CommGroup
 from mlmkit.tensor_parallel.layers import param_grad
 
@@ -115,9 +116,7 @@ class ShardedUnit:
 
     def flat(self, tensors) -> torch.Tensor:
         """``[N_u]`` -> ``[d * shard_size]``, zero-padded at the end."""
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        pad = self.shard_size * self.group.size - flat.numel()
-        return torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
+        return flatten_padded(tensors, self.shard_size * self.group.size)
 
     # ---------------------------------------------------------------- stage 3: gather and free
     def gather(self, *, phase: str = "forward", memory=None) -> bool:
@@ -176,11 +175,7 @@ class ShardedUnit:
         g = self.group
         mine = self.master.detach().to(self.dtype)
         full = g.all_gather(mine, dim=0, site=f"zero2.params.{label}.{self.name}") if g.size > 1 else mine
-        offset = 0
-        with torch.no_grad():
-            for p in self.params:
-                p.copy_(full[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+        copy_flat_into(self.params, full)
 
     def refresh_from_params(self) -> None:
         """The shard (master, and stage 3's parameter shard) from the whole parameters (after a load)."""
@@ -207,9 +202,7 @@ class FullyShardedAdamW(_Base):
         self.stage = stage
         self.units = [ShardedUnit(name, ps, self.reduce, stage=stage, counted=self.counted, module=module)
                       for name, _, ps, module in units]
-        self.chunk_of = {u.name: c for u, (_, c, _, _) in zip(self.units, units)}
         self.opt = torch.optim.AdamW([u.master for u in self.units], lr=0.0, **self.hyper)
-        self.memory = None
         if stage == 3:
             for u in self.units:
                 u.free()
@@ -259,11 +252,6 @@ class FullyShardedAdamW(_Base):
         for u in self.units:
             u.shard_grad = None
             u.passes = 0
-
-    def release(self) -> None:
-        """Stage 3: free every unit (after an abandoned step)."""
-        for u in self.units:
-            u.free()
 
     # ------------------------------------------------------------------ whole parameters on demand
     @contextlib.contextmanager

@@ -66,11 +66,13 @@ class MemoryTracker:
         self.cuda = torch.cuda.is_available()
 
     # -------------------------------------------------------------- saved tensors
-    def _pack(self, t: torch.Tensor):
+    def _hold(self, t: torch.Tensor):
+        """Count ``t``'s storage once more (its bytes the first time); the storage's address, or
+        ``None`` for a parameter's storage or an empty one (not activations)."""
         st = t.untyped_storage()
         ptr = st.data_ptr()
         if st._cdata in self._param_storages or ptr == 0:
-            return t
+            return None
         entry = self._live.get(ptr)
         if entry is None:
             self._live[ptr] = [1, st.nbytes()]
@@ -78,6 +80,12 @@ class MemoryTracker:
             self.peak = max(self.peak, self.activations)
         else:
             entry[0] += 1
+        return ptr
+
+    def _pack(self, t: torch.Tensor):
+        ptr = self._hold(t)
+        if ptr is None:
+            return t
         box = _Saved(t)
         weakref.finalize(box, self._release, ptr)
         return box
@@ -100,18 +108,9 @@ class MemoryTracker:
         its weight gradients (a layer's input and output gradient) after the graph is freed."""
         token = []
         for t in tensors:
-            st = t.untyped_storage()
-            ptr = st.data_ptr()
-            if st._cdata in self._param_storages or ptr == 0:
-                continue
-            entry = self._live.get(ptr)
-            if entry is None:
-                self._live[ptr] = [1, st.nbytes()]
-                self.activations += st.nbytes()
-                self.peak = max(self.peak, self.activations)
-            else:
-                entry[0] += 1
-            token.append(ptr)
+            ptr = self._hold(t)
+            if ptr is not None:
+                token.append(ptr)
         return token
 
     def release(self, token: list[int]) -> None:
