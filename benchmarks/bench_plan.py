@@ -7,6 +7,14 @@ micro-batch size and schedule, which the tables do not give). Target: within 15%
 
 Speed: the whole search for GPT-3 175B on 1024 A100s (target <= 5 s) and ``simulate`` of
 interleaved 1F1B at p=64, m=512, v=4 (target <= 1 s), wall clock on this machine.
+
+Closing the loop on this machine: ``local-cpu`` is calibrated (:func:`mlmkit.distributed.calibrate_local_cpu`,
+4 ranks), then the quickstart model is trained under :data:`LOCAL_LAYOUTS` on 4 CPU ranks
+(:func:`mlmkit.train.time_layouts`: every layout in turn, rounds interleaved, median step) and each
+measured step is set beside the planner's prediction (target: within 15%). The ranking check
+takes :data:`RANKED`, six layouts chosen before any prediction was made so that their measured
+steps lie at least 1.3x apart (closer ones swap with this machine's noise): the planner must put
+them in the measured order.
 """
 
 from __future__ import annotations
@@ -14,6 +22,78 @@ from __future__ import annotations
 import time
 
 from benchmarks.common import Row
+
+
+#: The quickstart model's layouts on 4 CPU ranks (TrainConfig overrides of demo_config).
+LOCAL_LAYOUTS = {
+    "dp4": dict(tp=1, pp=1, dp=4),
+    "dp4 zero3": dict(tp=1, pp=1, dp=4, zero=3),
+    "tp2 dp2": dict(tp=2, pp=1, dp=2),
+    "tp2 dp2 recompute": dict(tp=2, pp=1, dp=2, recompute="full"),
+    "tp4": dict(tp=4, pp=1, dp=1),
+    "pp2 dp2": dict(tp=1, pp=2, dp=2),
+    "pp2 dp2 mbs2": dict(tp=1, pp=2, dp=2, micro_batch_size=2),
+    "pp2 dp2 mbs1": dict(tp=1, pp=2, dp=2, micro_batch_size=1),
+    "pp4": dict(tp=1, pp=4, dp=1),
+    "pp4 mbs1": dict(tp=1, pp=4, dp=1, micro_batch_size=1),
+    "tp2 pp2": dict(tp=2, pp=2, dp=1),
+    "tp2 pp2 interleaved": dict(tp=2, pp=2, dp=1, schedule="interleaved-1f1b", chunks=2),
+}
+RANKED = ["pp2 dp2", "pp2 dp2 mbs2", "dp4 zero3", "tp2 dp2", "tp2 pp2 interleaved", "tp4"]
+
+
+def _time_on_ranks(rank, world_size, configs, steps, rounds):
+    import torch
+
+    from mlmkit.train import time_layouts
+
+    torch.manual_seed(0)
+    return time_layouts(configs, steps=steps, rounds=rounds)
+
+
+def local_comparison(*, quick: bool = False, hw=None):
+    """(DataFrame of predicted and measured step per layout, the calibrated Hardware)."""
+    import pandas as pd
+
+    from mlmkit.distributed import calibrate_local_cpu, run_ranks
+    from mlmkit.plan import Layout, predict
+    from mlmkit.train import demo_config
+
+    hw = hw or calibrate_local_cpu(4, quick=quick)
+    configs = [demo_config(**kw, tracing=False) for kw in LOCAL_LAYOUTS.values()]
+    measured = run_ranks(_time_on_ranks, world_size=4, args=(configs, 4 if quick else 6, 2 if quick else 3),
+                         timeout_s=1200)[0]
+    rows = []
+    for (name, kw), config, t in zip(LOCAL_LAYOUTS.items(), configs, measured):
+        p = predict(config.model, hw, Layout.of(config), global_batch_size=config.global_batch_size)
+        rows.append({"layout": name, "predicted_s": p["step_time_s"], "measured_s": t,
+                     "ratio": p["step_time_s"] / t})
+    return pd.DataFrame(rows).set_index("layout"), hw
+
+
+def _same_order_pairs(pred, meas) -> tuple[int, int]:
+    names = list(pred)
+    pairs = [(a, b) for i, a in enumerate(names) for b in names[i + 1:]]
+    same = sum((pred[a] - pred[b]) * (meas[a] - meas[b]) > 0 for a, b in pairs)
+    return same, len(pairs)
+
+
+def local_rows(quick: bool = False) -> list[Row]:
+    frame, hw = local_comparison(quick=quick)
+    rows = []
+    for name, r in frame.iterrows():
+        ok = abs(r.ratio - 1) <= 0.15
+        rows.append(Row("planner local-cpu vs measured step", f"quickstart, 4 CPU ranks, {name}", r.predicted_s * 1e3,
+                        r.measured_s * 1e3, "ms", "within 15%", ok, note="calibrated local-cpu; measured median step"))
+    ranked = frame.loc[RANKED]
+    same, total = _same_order_pairs(ranked.predicted_s.to_dict(), ranked.measured_s.to_dict())
+    order = " < ".join(ranked.sort_values("measured_s").index)
+    rows.append(Row("planner local-cpu ranking", f"{len(RANKED)} layouts: pairs in the measured order", same, total,
+                    "pairs", "all", same == total, note=f"measured: {order}"))
+    allsame, alltotal = _same_order_pairs(frame.predicted_s.to_dict(), frame.measured_s.to_dict())
+    rows.append(Row("planner local-cpu ranking", f"all {len(frame)} layouts: pairs in the measured order", allsame,
+                    alltotal, "pairs", "n/a", None, note="includes layouts whose steps differ by less than the noise"))
+    return rows
 
 
 def run(quick: bool = False) -> list[Row]:
@@ -41,4 +121,4 @@ def run(quick: bool = False) -> list[Row]:
     elapsed = time.perf_counter() - t0
     rows.append(Row("simulate time", "interleaved-1f1b p=64 m=512 v=4 (786,432 actions)", elapsed, 1.0, "s",
                     "<= 1 s", elapsed <= 1.0, note="the limit as baseline"))
-    return rows
+    return rows + local_rows(quick)

@@ -346,3 +346,21 @@ def test_table_rows_as_tuples_are_five_long_or_three():
     # (rank, kind, microbatch, peer) would silently read the peer as a chunk: refused, with the fix.
     with pytest.raises(ScheduleError, match=r"has 4 entries: a tuple row is \(rank, kind, microbatch\) or"):
         schedule_from_table([(r, k, mb, peer) for r, k, mb, _, peer in rows])
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipev"])
+def test_simulate_fast_engine_equals_the_reference_dry_run(name):
+    # simulate() runs its own compute-only engine (integer message names, columns); it must give the
+    # reference dry run's timeline action for action, with uneven costs per rank and a message cost.
+    from mlmkit.pipeline.simulate import dry_run
+
+    chunks = 2 if name in ("interleaved-1f1b", "zb-v", "dualpipev") else 1
+    for stages, m in ((2, 4), (4, 8), (3, 6)):
+        if name == "interleaved-1f1b" and m % stages:
+            continue
+        s = make_schedule(name, stages=stages, microbatches=m, chunks=chunks)
+        costs = Costs(forward=[1.0 + 0.3 * r for r in range(stages)], backward=2.5, weight=0.7, p2p_latency=0.4)
+        ref = [(r, a.kind, a.microbatch, a.chunk, t0, t1) for r, _, a, t0, t1 in dry_run(s, costs, compute_only=True)]
+        got = simulate(s, costs).timeline
+        mine = list(zip(got["rank"], got["action"], got["microbatch"], got["chunk"], got["start"], got["end"]))
+        assert sorted(mine) == sorted(ref), (name, stages, m)

@@ -1,5 +1,6 @@
 """Process groups built from a Topology, traced collectives, and a multi-process launcher."""
 
+from mlmkit.distributed.calibrate import calibrate_local_cpu
 from mlmkit.distributed.comm_group import CommGroup
 from mlmkit.distributed.launch import RankFailure, RankTimeout, find_free_port, run_ranks
 from mlmkit.distributed.process_groups import (
@@ -10,6 +11,6 @@ from mlmkit.distributed.process_groups import (
 )
 
 __all__ = [
-    "CommGroup", "ProcessGroups", "RankFailure", "RankTimeout", "default_backend", "default_device",
+    "CommGroup", "ProcessGroups", "calibrate_local_cpu", "RankFailure", "RankTimeout", "default_backend", "default_device",
     "find_free_port", "init_distributed", "run_ranks",
 ]

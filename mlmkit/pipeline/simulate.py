@@ -236,6 +236,79 @@ def dry_run(schedule: Schedule, costs: Costs, *, ordered: bool = False, compute_
     return rows
 
 
+def _tagged_compute_run(schedule: Schedule, costs: Costs) -> tuple[dict, list, float]:
+    """:func:`dry_run` with tags and ``compute_only``, for :func:`simulate`: the same semantics,
+    with each message named by one integer (its identity: sending virtual stage, microbatch,
+    activation or gradient) in one table, and the timeline built as columns. Returns (columns,
+    busy time per rank, step time); raises :class:`ScheduleError` like :func:`dry_run`."""
+    p, m = schedule.stages, schedule.microbatches
+    hop = costs.message_time()
+    vs = schedule.virtual_stage
+    plans, durations = [], {}
+    for r in range(p):
+        plan = []
+        for i, a in enumerate(schedule.actions[r]):
+            kind = a.kind
+            if kind == "SEND_ACT":
+                plan.append((0, (vs(r, a.chunk) * m + a.microbatch) * 2, i))
+            elif kind == "SEND_GRAD":
+                plan.append((0, (vs(r, a.chunk) * m + a.microbatch) * 2 + 1, i))
+            elif kind == "RECV_ACT":
+                plan.append((1, ((vs(r, a.chunk) - 1) * m + a.microbatch) * 2, i))
+            elif kind == "RECV_GRAD":
+                plan.append((1, ((vs(r, a.chunk) + 1) * m + a.microbatch) * 2 + 1, i))
+            else:
+                dkey = (r, kind, a.chunk)
+                d = durations.get(dkey)
+                if d is None:
+                    d = durations[dkey] = costs.duration(schedule, r, a)
+                plan.append((2, d, i))
+        plans.append(plan)
+    ranks, kinds, mbs, chunks, starts, ends = [], [], [], [], [], []
+    busy = [0.0] * p
+    idx, clock = [0] * p, [0.0] * p
+    sent: dict[int, float] = {}
+    waiting: dict[int, int] = {}
+    ready = deque(range(p))
+    while ready:
+        r = ready.popleft()
+        plan, acts = plans[r], schedule.actions[r]
+        i, t, n = idx[r], clock[r], len(plan)
+        work = 0.0
+        while i < n:
+            code, x, j = plan[i]
+            if code == 2:
+                a = acts[j]
+                ranks.append(r)
+                kinds.append(a.kind)
+                mbs.append(a.microbatch)
+                chunks.append(a.chunk)
+                starts.append(t)
+                t += x
+                ends.append(t)
+                work += x
+            elif code == 0:
+                sent[x] = t + hop
+                woken = waiting.pop(x, None)
+                if woken is not None:
+                    ready.append(woken)
+            else:
+                arrival = sent.pop(x, None)
+                if arrival is None:
+                    waiting[x] = r
+                    break         # blocked: this message has not been sent yet
+                if arrival > t:
+                    t = arrival
+            i += 1
+        idx[r], clock[r] = i, t
+        busy[r] += work
+    if any(idx[r] < len(plans[r]) for r in range(p)) or sent:
+        dry_run(schedule, costs)          # the reference engine names the deadlock or the lost message
+        raise ScheduleError("the schedule does not run to its end")   # not reached: dry_run raised
+    cols = {"rank": ranks, "action": kinds, "microbatch": mbs, "chunk": chunks, "start": starts, "end": ends}
+    return cols, busy, max(ends, default=0.0)
+
+
 @dataclass
 class SimResult:
     """What :func:`simulate` returns.
@@ -375,16 +448,20 @@ def simulate(schedule: Schedule, costs: Union[Costs, Mapping[str, object]], *,
     if cores is not None and not cores > 0:
         raise ValueError(f"simulate: cores={cores!r} must be > 0 (or None: one processor per rank)")
     shared = cores is not None and cores < schedule.stages
-    rows = shared_run(schedule, costs, cores=cores) if shared else dry_run(schedule, costs, compute_only=True)
-    step = max((end for *_, end in rows), default=0.0)
     if shared:
+        rows = shared_run(schedule, costs, cores=cores)
+        step = max((end for *_, end in rows), default=0.0)
         rows = [row for row in rows if row[2].kind in ("F", "B", "I", "W")]
-    timeline = pd.DataFrame({"rank": [row[0] for row in rows], "action": [row[2].kind for row in rows],
-                             "microbatch": [row[2].microbatch for row in rows], "chunk": [row[2].chunk for row in rows],
-                             "start": [row[3] for row in rows], "end": [row[4] for row in rows]})
-    busy = {r: 0.0 for r in range(schedule.stages)}
-    for row in rows:
-        busy[row[0]] += row[4] - row[3]
+        cols = {"rank": [row[0] for row in rows], "action": [row[2].kind for row in rows],
+                "microbatch": [row[2].microbatch for row in rows], "chunk": [row[2].chunk for row in rows],
+                "start": [row[3] for row in rows], "end": [row[4] for row in rows]}
+        busy = {r: 0.0 for r in range(schedule.stages)}
+        for row in rows:
+            busy[row[0]] += row[4] - row[3]
+    else:
+        cols, per_rank_busy, step = _tagged_compute_run(schedule, costs)
+        busy = dict(enumerate(per_rank_busy))
+    timeline = pd.DataFrame(cols)
     total_busy = sum(busy.values())
     per_rank = {r: (1.0 - busy[r] / step) if step else 0.0 for r in busy}
     fraction = (1.0 - total_busy / (schedule.stages * step)) if step else 0.0

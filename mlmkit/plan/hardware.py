@@ -15,8 +15,9 @@ published Megatron-LM runs on A100 and H100 (benchmarks/RESULTS.md lists every r
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Optional
 
-__all__ = ["GPUS", "Hardware", "hardware"]
+__all__ = ["GPUS", "Hardware", "hardware", "local_cpu"]
 
 GiB = 2**30
 
@@ -36,6 +37,16 @@ class Hardware:
     efficiency: float = 0.8
     half_width: float = 100.0
     source: str = ""
+    # What sets the time of mlmkit's own runs on CPU ranks (``local-cpu``, measured by
+    # mlmkit.distributed.calibrate_local_cpu); the GPU presets keep the defaults.
+    runtime: str = "megatron"     # "megatron": Megatron-LM's overlaps; "mlmkit": mlmkit's executor, nothing overlapped
+    precision: str = "bf16"       # the training dtype the prediction assumes
+    op_overhead_s: float = 0.0    # host time per dispatched operator (kernel launches hide it on GPUs)
+    recompute_overhead_s: float = 0.0   # host time of one recomputed region beyond its operators
+    # measured ((group size, gap s, latency s), ...): a small all-reduce after `gap` seconds of work
+    collective_latency: tuple = ()
+    p2p_latency: tuple = ()       # measured ((pipeline stages, latency s), ...) of one message; default latency_s
+    cores: Optional[float] = None  # processors the ranks share; None: one per rank
 
     def __post_init__(self) -> None:
         for name in ("peak_tflops", "memory_bytes", "hbm_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth"):
@@ -46,15 +57,59 @@ class Hardware:
             raise ValueError(f"Hardware {self.name!r}: gpus_per_node={self.gpus_per_node!r} must be an integer >= 1")
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"Hardware {self.name!r}: efficiency={self.efficiency!r} must be in (0, 1]")
+        if self.runtime not in ("megatron", "mlmkit"):
+            raise ValueError(f"Hardware {self.name!r}: runtime={self.runtime!r}; expected 'megatron' or 'mlmkit'")
+        if self.precision not in ("bf16", "fp32"):
+            raise ValueError(f"Hardware {self.name!r}: precision={self.precision!r}; expected 'bf16' or 'fp32'")
+        if self.cores is not None and not self.cores > 0:
+            raise ValueError(f"Hardware {self.name!r}: cores={self.cores!r} must be > 0 or None")
 
     def compute_efficiency(self, width: float) -> float:
         """Achieved fraction of the peak for per-GPU GEMMs ``width`` wide (``hidden / tp``)."""
         return self.efficiency * width / (width + self.half_width)
 
+    def collective_time(self, op: str, nbytes: float, n: int, bw: float, gap: float = 0.0) -> float:
+        """Seconds of one ring collective (``all_reduce``, ``all_gather``, ``reduce_scatter``) of
+        ``nbytes`` over ``n`` ranks at ``bw`` after ``gap`` seconds of work: the measured latency
+        of an ``n``-rank group (``collective_latency``, interpolated in the gap; an all-gather or
+        reduce-scatter takes half an all-reduce's ring steps) when there is one, else
+        ``latency_s`` per ring step."""
+        if n <= 1:
+            return 0.0
+        steps = 2 * (n - 1) if op == "all_reduce" else n - 1
+        share = 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
+        if self.collective_latency:
+            sizes = sorted({k for k, _, _ in self.collective_latency})
+            near = min(sizes, key=lambda k: abs(k - n))
+            curve = [(g, t) for k, g, t in self.collective_latency if k == near]
+            latency = _interpolate(curve, gap) * (n - 1) / (near - 1)   # another size: scaled by ring steps
+            latency *= 1.0 if op == "all_reduce" else 0.5
+        else:
+            latency = steps * self.latency_s
+        return share * nbytes / bw + latency
+
+    def message_latency(self, stages: int = 2) -> float:
+        """One point-to-point message's latency in a pipeline of ``stages`` ranks (measured:
+        the nearest size; else ``latency_s``)."""
+        if not self.p2p_latency:
+            return self.latency_s
+        return min(self.p2p_latency, key=lambda kv: abs(kv[0] - stages))[1]
+
     def link(self, group_size: int, stride: int) -> float:
         """Bandwidth of a group of ``group_size`` ranks ``stride`` apart in rank order: NVLink when
         the group fits in one node, else the network."""
         return self.intra_node_bandwidth if group_size * stride <= self.gpus_per_node else self.inter_node_bandwidth
+
+
+def _interpolate(curve, x: float) -> float:
+    """Piecewise-linear through ``curve`` ((x, y), ...), flat beyond its ends."""
+    pts = sorted(curve)
+    if x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y1
+    return pts[-1][1]
 
 
 _NV = "NVIDIA datasheet"
@@ -87,12 +142,51 @@ GPUS: dict[str, Hardware] = {h.name: h for h in [
 ]}
 
 
+def local_cpu(*, gflops_by_width: dict, op_overhead_s: float, recompute_overhead_s: float, collective_latency: dict,
+              bandwidth: float,
+              p2p_latency: dict, cores: float, memory_bytes: float, ranks: int) -> Hardware:
+    """The ``local-cpu`` :class:`Hardware` from a calibration's measurements (see
+    :func:`mlmkit.distributed.calibrate_local_cpu`, which measures and calls this): the peak and
+    ``half_width`` fitted to the matmul throughput per width (least squares over a grid of
+    half-widths), fp32, mlmkit's runtime, the ranks sharing ``cores`` processors."""
+    widths = sorted(gflops_by_width)
+    best = None
+    for half in [0.5 * k for k in range(0, 513)]:
+        shape = [w / (w + half) for w in widths]
+        peak = sum(g * f for g, f in zip((gflops_by_width[w] for w in widths), shape)) / sum(f * f for f in shape)
+        err = sum((gflops_by_width[w] - peak * f) ** 2 for w, f in zip(widths, shape))
+        if best is None or err < best[0]:
+            best = (err, peak, half)
+    _, peak, half = best
+    return Hardware(
+        name="local-cpu", peak_tflops=peak / 1e3, memory_bytes=memory_bytes, hbm_bandwidth=20e9,
+        intra_node_bandwidth=bandwidth, inter_node_bandwidth=bandwidth, gpus_per_node=ranks,
+        latency_s=p2p_latency[min(p2p_latency)], efficiency=1.0, half_width=half, runtime="mlmkit",
+        precision="fp32", op_overhead_s=op_overhead_s, recompute_overhead_s=recompute_overhead_s,
+        collective_latency=tuple(sorted((n, g, t) for (n, g), t in collective_latency.items())),
+        p2p_latency=tuple(sorted(p2p_latency.items())), cores=cores,
+        source=f"measured on this machine for {ranks} ranks by mlmkit.distributed.calibrate_local_cpu: fp32 matmul "
+               f"{', '.join(f'w={w}: {gflops_by_width[w]:.0f}' for w in widths)} GFLOP/s; "
+               f"{op_overhead_s * 1e6:.1f} us per operator; {recompute_overhead_s * 1e6:.0f} us per recomputed "
+               f"region; all-reduce latency (group size, after a gap of work) "
+               f"{', '.join(f'n={n} {g * 1e3:.2f} ms: {t * 1e3:.2f} ms' for (n, g), t in sorted(collective_latency.items()))}; "
+               f"{bandwidth / 1e9:.2f} GB/s; message latency in a 1F1B pipeline "
+               f"{', '.join(f'p={p}: {t * 1e3:.2f} ms' for p, t in sorted(p2p_latency.items()))}; "
+               f"{cores} cores")
+
+
 def hardware(name_or_hw, **overrides) -> Hardware:
-    """A preset by name (:data:`GPUS`), or a :class:`Hardware` as is; ``overrides`` change fields."""
+    """A preset by name (:data:`GPUS`), or a :class:`Hardware` as is; ``overrides`` change fields.
+    ``"local-cpu"`` is measured, not a preset: build it with
+    :func:`mlmkit.distributed.calibrate_local_cpu` (``python -m mlmkit.plan --gpu local-cpu`` does)."""
     if isinstance(name_or_hw, Hardware):
         hw = name_or_hw
     elif name_or_hw in GPUS:
         hw = GPUS[name_or_hw]
+    elif name_or_hw == "local-cpu":
+        raise ValueError("gpu='local-cpu' is measured on this machine, not a preset: "
+                         "hw = mlmkit.distributed.calibrate_local_cpu(ranks=4), then plan(..., gpu=hw) "
+                         "(the CLI's --gpu local-cpu calibrates by itself)")
     else:
         raise ValueError(f"unknown GPU {name_or_hw!r}; choose one of {', '.join(sorted(GPUS))} "
                          f"or pass a mlmkit.plan.Hardware(...)")

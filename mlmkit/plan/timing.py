@@ -80,6 +80,13 @@ class Layout:
     def gpus(self) -> int:
         return self.tp * self.cp * self.pp * self.dp
 
+    @classmethod
+    def of(cls, config) -> "Layout":
+        """The layout of a :class:`~mlmkit.train.TrainConfig` (read by attribute)."""
+        return cls(tp=config.tp, cp=config.cp, pp=config.pp, dp=config.dp, ep=config.ep, chunks=config.chunks,
+                   schedule=config.schedule, micro_batch_size=config.micro_batch_size,
+                   recompute=config.recompute, zero=config.zero, sequence_parallel=config.sequence_parallel)
+
 
 @functools.lru_cache(maxsize=4096)
 def _stage_parameters(model: GPTConfig, t: int, p: int, v: int, sp: bool) -> int:
@@ -87,6 +94,12 @@ def _stage_parameters(model: GPTConfig, t: int, p: int, v: int, sp: bool) -> int
     topo = Topology(tp=t, pp=p)
     return max(sum(q.numel for q in local_parameters(model, topo, pp_rank=r, chunks=v, sequence_parallel=sp))
                for r in {0, p - 1})
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_tensors(model: GPTConfig, t: int, p: int, v: int, sp: bool) -> list:
+    topo = Topology(tp=t, pp=p)
+    return max((local_parameters(model, topo, pp_rank=r, chunks=v, sequence_parallel=sp) for r in {0, p - 1}), key=len)
 
 
 @functools.lru_cache(maxsize=256)
@@ -112,6 +125,114 @@ def pipeline_time(forward: float, backward: float, *, microbatches: int, stages:
     return busy, ((stages - 1) * (forward + backward) / chunks if stages > 1 else 0.0)
 
 
+#: Operators mlmkit's own step dispatches (aten operators, forward and backward together; fp32 GPT
+#: blocks), counted with a dispatch mode (tests/test_plan.py re-counts them): per layer and
+#: microbatch, its extra with tensor parallelism (the collectives' wrappers) and sequence
+#: parallelism, what full recomputation adds, the embedding (first stage) and the head with its
+#: loss (last stage) per microbatch, the optimizer per parameter tensor, and, with data
+#: parallelism, the flattening of gradients around their reduction, per parameter tensor.
+OPS = {"layer": 104, "layer_tp": 6, "layer_sp": 20, "layer_full_recompute": 70, "layer_selective_recompute": 20,
+       "embedding": 30, "head": 51, "step": 75, "optimizer_per_tensor": 10, "dp_per_tensor": 5}
+
+
+def _predict_mlmkit(model: GPTConfig, hw: Hardware, L: Layout, *, m: int, s: int, flash_attention: bool) -> dict:
+    """Time of a step of mlmkit's own trainer (``hw.runtime == "mlmkit"``, e.g. ``local-cpu``):
+    every collective waited for (gloo: nothing overlapped), operators' host time counted
+    (:data:`OPS` times ``hw.op_overhead_s``), ranks sharing ``hw.cores`` processors (processor
+    sharing; the pipeline through :func:`mlmkit.pipeline.simulate` with ``cores``)."""
+    from mlmkit.pipeline.schedule import make_schedule
+    from mlmkit.pipeline.simulate import Costs, simulate
+
+    t, cp, p, d, v, b = L.tp, L.cp, L.pp, L.dp, L.chunks, L.micro_batch_size
+    E = 4 if hw.precision == "fp32" else 2
+    sp = L.sequence_parallel and t > 1
+    h, layers = model.hidden, model.layers
+    peak = hw.peak_tflops * 1e12 * hw.compute_efficiency(h / t)
+    fl, _, train_flops = _flops(model, s)
+    tokens = b * s
+    per_layer = (fl["linear"] + fl["attention"]) / layers * tokens / (t * cp)       # forward FLOPs
+    attn_share = fl["attention"] / (fl["linear"] + fl["attention"])
+    rerun = {"none": 0.0, "selective": attn_share, "full": 1.0}[L.recompute]
+    ops_layer = (OPS["layer"] + (OPS["layer_tp"] if t > 1 else 0) + (OPS["layer_sp"] if sp else 0)
+                 + {"none": 0, "selective": OPS["layer_selective_recompute"], "full": OPS["layer_full_recompute"]}[L.recompute])
+    c = hw.op_overhead_s
+    f_work = per_layer / peak + ops_layer * c / 3                 # host work: a third of the operators forward
+    b_work = (2 + rerun) * per_layer / peak + 2 * ops_layer * c / 3 \
+        + (hw.recompute_overhead_s if L.recompute != "none" else 0.0)     # one recomputed region per layer
+    act = tokens / cp * h * E
+    coll = hw.collective_time
+    bw = hw.intra_node_bandwidth
+    # each collective after the work since the previous one (its gap): two per layer each way
+    gf, gb = f_work / 2, b_work / 2
+    if sp:
+        tp_f = coll("all_gather", act, t, bw, gf) + coll("reduce_scatter", act, t, bw, gf)
+        tp_b = tp_f * (1 if L.recompute == "full" else 0) + coll("all_gather", act, t, bw, gb) \
+            + coll("reduce_scatter", act, t, bw, gb)
+    else:
+        tp_f = 2 * coll("all_reduce", act, t, bw, gf)
+        tp_b = tp_f * (1 if L.recompute == "full" else 0) + 2 * coll("all_reduce", act, t, bw, gb)
+    head = fl["head"] * tokens / (t * cp) / peak
+    loss_coll = 3 * coll("all_reduce", tokens / cp * 4, t, bw, gf) + coll("all_reduce", act, t, bw, gf)
+    emb_coll = coll("all_reduce", act, t, bw, gf) * (2 if sp else 1)
+    lp = layers / (p * v)                                          # layers per virtual stage
+    F = [lp * f_work] * (p * v)
+    B = [lp * b_work] * (p * v)
+    F[0] += OPS["embedding"] * c / 3
+    B[0] += 2 * OPS["embedding"] * c / 3
+    F[-1] += head + OPS["head"] * c / 3
+    B[-1] += 2 * head + 2 * OPS["head"] * c / 3
+    wait_f = lp * tp_f
+    wait_b = lp * tp_b
+    # ranks computing at once: a pipeline stage's t x cp ranks, times d pipelines, share the cores
+    cores = hw.cores
+    share = None if cores is None else cores / (t * cp * d)
+    if p == 1 and v == 1:
+        work = m * (F[0] + B[0])
+        busy = work * (max(1.0, 1.0 / share) if share is not None else 1.0)
+        pipe = busy
+        bubble = 0.0
+    else:
+        sched = make_schedule(L.schedule, stages=p, microbatches=m, chunks=v, layers=layers)
+        costs = Costs(forward=F, backward=B, p2p_latency=hw.message_latency(p),
+                      p2p_bandwidth=bw, message_bytes=act / (t if sp else 1))
+        sim = simulate(sched, costs, cores=share)
+        pipe = sim.step_time
+        busy = sum(sim.busy_per_rank.values()) / p
+        bubble = pipe - busy
+    # collectives waited for on the critical path: every forward and backward of one stage of each
+    # microbatch, plus the pipeline's fill and drain
+    path = m * v + (p - 1)
+    tp_wait = path * (wait_f + wait_b) + m * (loss_coll + emb_coll)
+    # once per step: gradient reduction over dp x cp, the tied embedding between first and last stage,
+    # the loss and gradient-norm all-reduces over the world, the optimizer on every rank at once
+    n_stage = _stage_parameters(model, t, p, v, sp)
+    tensors = len(_stage_tensors(model, t, p, v, sp))
+    replicas = d * cp
+    g_end = B[0]                           # the step's collectives follow the last backward
+    if replicas > 1:
+        if L.zero >= 1:
+            dp = (coll("reduce_scatter", n_stage * 4, replicas, bw, g_end)
+                  + coll("all_gather", n_stage * E, replicas, bw, g_end))
+        else:
+            dp = coll("all_reduce", n_stage * 4, replicas, bw, g_end)
+        if L.zero == 3:      # per layer: a gather before each forward and backward, a reduce-scatter
+            units = layers / p + 1
+            dp = units * (m * coll("all_gather", n_stage / units * E, replicas, bw, f_work)
+                          + m * coll("all_gather", n_stage / units * E, replicas, bw, b_work)
+                          + coll("reduce_scatter", n_stage / units * 4, replicas, bw, b_work))
+    else:
+        dp = 0.0
+    world = t * cp * p * d
+    dp += 2 * coll("all_reduce", 8, world, bw, g_end)
+    if p > 1 and model.tie_embeddings:
+        dp += coll("all_reduce", model.padded_vocab(t) // t * h * 4, 2, bw, g_end)
+    opt_ops = OPS["step"] + tensors * (OPS["optimizer_per_tensor"] + (OPS["dp_per_tensor"] if replicas > 1 else 0))
+    optimizer = opt_ops * c * (max(1.0, world / cores) if cores is not None else 1.0)
+    step = pipe + tp_wait + dp + optimizer
+    return {"step_time_s": step, "compute_s": busy, "tp_comm_s": tp_wait, "cp_comm_s": 0.0, "ep_comm_s": 0.0,
+            "pp_comm_s": 0.0, "bubble_s": bubble, "dp_comm_s": dp, "optimizer_s": optimizer}
+
+
 def predict(model: GPTConfig, hw: Hardware, layout: Layout, *, global_batch_size: int,
             seq_len: Optional[int] = None, flash_attention: bool = True) -> dict:
     """Step time, throughput, FLOP/s, MFU, memory per GPU and the time breakdown of ``layout``
@@ -128,7 +249,7 @@ def predict(model: GPTConfig, hw: Hardware, layout: Layout, *, global_batch_size
     if s % cp:
         raise ValueError(f"seq_len={s} is not a multiple of cp={cp}")
     sp = L.sequence_parallel and t > 1
-    E = 2                                                     # bf16 activations and parameters
+    E = 2 if hw.precision == "bf16" else 4                    # bytes of activations and parameters
     peak = hw.peak_tflops * 1e12
     eff = hw.compute_efficiency(h / t)
     fl, _, train_flops = _flops(model, s)
@@ -186,6 +307,12 @@ def predict(model: GPTConfig, hw: Hardware, layout: Layout, *, global_batch_size
     local = n_stage / (replicas if L.zero >= 1 else 1)
     optimizer = local * ADAM_BYTES_PER_PARAM / hw.hbm_bandwidth
     step = busy + bubble + dp_exposed + optimizer
+    breakdown = {"compute_s": m * (lp * (f_layer + b_layer) + 3 * head), "tp_comm_s": m * lp * (tp_f + tp_b),
+                 "cp_comm_s": m * lp * cp_exposed, "ep_comm_s": m * lp * ep_time, "pp_comm_s": m * 2 * p2p * v,
+                 "bubble_s": bubble, "dp_comm_s": dp_exposed, "optimizer_s": optimizer}
+    if hw.runtime == "mlmkit":
+        breakdown = _predict_mlmkit(model, hw, L, m=m, s=s, flash_attention=flash_attention)
+        step = breakdown["step_time_s"]
     # throughput and utilisation
     tr = train_flops[L.recompute]
     total_tokens = global_batch_size * s
@@ -193,27 +320,24 @@ def predict(model: GPTConfig, hw: Hardware, layout: Layout, *, global_batch_size
     model_tflops = tr["model"] * total_tokens / step / n / 1e12
     hw_tflops = tr["hardware"] * total_tokens / step / n / 1e12
     # memory of the largest stage
-    state = n_stage * bytes_per_parameter(precision="bf16", zero=L.zero, dp=replicas)
+    state = n_stage * bytes_per_parameter(precision=hw.precision, zero=L.zero, dp=replicas)
     if L.zero == 3:
         state += 2 * (n_stage / lp) * E                        # two layers gathered at a time
     # a fused (flash) attention keeps no [s, s] scores: the paper's selective-recomputation count
     kept = "selective" if (flash_attention and L.recompute == "none") else L.recompute
     per_layer_act = activation_bytes_per_layer(
         s=s // cp, b=b, h=h, a=model.heads, ffn=model.ffn, t=t, sequence_parallel=sp, recompute=kept,
-        dropout=model.dropout > 0, precision="bf16", implementation="megatron", kv_heads=model.num_kv_heads,
+        dropout=model.dropout > 0, precision=hw.precision, implementation="megatron", kv_heads=model.num_kv_heads,
         mlp=model.mlp, norm=model.norm, rope=model.position == "rope")
     inflight = min(m, p) if v == 1 else p * (1 + (p - 1) / (p * v))
     activations = per_layer_act * lp * inflight
     memory = (state + activations) * FRAGMENTATION + FRAMEWORK_BYTES
-    tp_total = m * lp * (tp_f + tp_b)
     return {
         "tp": t, "cp": cp, "pp": p, "dp": d, "ep": L.ep, "chunks": v, "schedule": L.schedule,
         "micro_batch_size": b, "recompute": L.recompute, "zero": L.zero, "microbatches": m,
         "memory_per_gpu_bytes": memory, "fits": memory <= hw.memory_bytes,
         "step_time_s": step, "tokens_per_s": total_tokens / step,
         "model_tflops_per_gpu": model_tflops, "hardware_tflops_per_gpu": hw_tflops, "mfu": model_tflops * 1e12 / peak,
-        "compute_s": m * (lp * (f_layer + b_layer) + 3 * head), "tp_comm_s": tp_total,
-        "cp_comm_s": m * lp * cp_exposed, "ep_comm_s": m * lp * ep_time, "pp_comm_s": m * 2 * p2p * v,
-        "bubble_s": bubble, "dp_comm_s": dp_exposed, "optimizer_s": optimizer,
+        **{key: value for key, value in breakdown.items() if key != "step_time_s"},
         "state_bytes": state, "activation_bytes": activations,
     }

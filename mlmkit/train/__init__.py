@@ -6,15 +6,16 @@ notebook; see :mod:`mlmkit.train.__main__`.
 
 from mlmkit.train.config import TrainConfig, demo_config
 
-__all__ = ["TrainConfig", "Trainer", "demo_config", "load_checkpoint", "save_checkpoint", "export_state_dict"]
+__all__ = ["TrainConfig", "Trainer", "demo_config", "load_checkpoint", "save_checkpoint", "export_state_dict",
+           "time_layouts"]
 
 
 def __getattr__(name):
     # Trainer and checkpoints need torch.distributed; the config stays importable without it.
-    if name == "Trainer":
-        from mlmkit.train.trainer import Trainer
+    if name in ("Trainer", "time_layouts"):
+        from mlmkit.train import trainer
 
-        return Trainer
+        return getattr(trainer, name)
     if name in ("load_checkpoint", "save_checkpoint", "export_state_dict"):
         from mlmkit.train import checkpoint
 

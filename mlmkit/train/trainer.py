@@ -20,6 +20,7 @@ import time
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from mlmkit.data_parallel import Zero3Hooks, attach_main_grads, dtype_of, make_optimizer, shard_units
 from mlmkit.distributed import ProcessGroups
@@ -239,3 +240,32 @@ def traced_step(rank: int, world_size: int, config_dict: dict, warmup_steps: int
     trainer.clear_traces()
     trainer.train_step()
     return trainer.traces()
+
+
+def time_layouts(configs, *, steps: int = 6, warmup: int = 2, rounds: int = 2) -> list[float]:
+    """Median step time (seconds) of each config's training, measured on this job's ranks.
+
+    Collective: every rank of a world of ``configs[i].topology.world_size`` ranks calls it with the
+    same configs. Builds one :class:`Trainer` per config (its own process groups), then ``rounds``
+    times goes through the configs in turn: ``warmup`` steps, then ``steps`` timed steps, each
+    between two barriers (so a step ends when its slowest rank ends). Interleaving the rounds
+    spreads a noisy machine's slow spells over all configs. Returns the median per config.
+    """
+    import statistics
+
+    trainers = []
+    for config in configs:
+        groups = ProcessGroups.build(config.topology)
+        trainers.append(Trainer(config, groups=groups))
+    times: list[list[float]] = [[] for _ in configs]
+    for _ in range(rounds):
+        for trainer, bucket in zip(trainers, times):
+            for _ in range(warmup):
+                trainer.train_step()
+            for _ in range(steps):
+                dist.barrier()
+                t0 = time.perf_counter()
+                trainer.train_step()
+                dist.barrier()
+                bucket.append(time.perf_counter() - t0)
+    return [statistics.median(b) for b in times]
