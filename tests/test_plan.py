@@ -111,3 +111,121 @@ def test_cli_json_and_constraints():
 def test_presets_plan():
     table = plan(preset("llama3-70b"), gpus=64, gpu="h200", global_batch_size=128, seq_len=4096, top=5)
     assert len(table) == 5 and table.fits.all()
+
+
+# ------------------------------------------------------------------ local-cpu: mlmkit's own runtime
+from mlmkit.plan.hardware import hardware, local_cpu  # noqa: E402
+from mlmkit.plan.timing import OPS  # noqa: E402
+from mlmkit.train import demo_config  # noqa: E402
+
+QUICK = preset("quickstart")
+
+
+def _local(**over):
+    base = dict(gflops_by_width={w: 100.0 * w / (w + 20.0) for w in (8, 16, 32, 64, 128, 256)}, op_overhead_s=5e-6,
+                recompute_overhead_s=200e-6, collective_latency={(2, 2e-4): 1e-3, (2, 2e-3): 2e-3, (4, 2e-4): 4e-3,
+                                                                 (4, 2e-3): 6e-3},
+                bandwidth=2e9, p2p_latency={2: 4e-3, 4: 2e-3}, cores=2, memory_bytes=6 * 2**30,
+                framework_bytes=300 * 2**20, ranks=4)
+    base.update(over)
+    return local_cpu(**base)
+
+
+def test_local_cpu_hardware_from_measurements():
+    hw = _local()
+    assert hw.runtime == "mlmkit" and hw.precision == "fp32" and hw.cores == 2 and hw.efficiency == 1.0
+    assert hw.peak_tflops * 1e3 == pytest.approx(100.0, rel=1e-3) and hw.half_width == pytest.approx(20.0)
+    # latency: interpolated in the gap, flat beyond the measured ones; half for all-gather / reduce-scatter
+    assert hw.collective_time("all_reduce", 0, 2, 1e9, gap=1.1e-3) == pytest.approx(1.5e-3)
+    assert hw.collective_time("all_reduce", 0, 4, 1e9, gap=0.0) == pytest.approx(4e-3)
+    assert hw.collective_time("all_reduce", 0, 4, 1e9, gap=1.0) == pytest.approx(6e-3)
+    assert hw.collective_time("all_gather", 0, 2, 1e9, gap=2e-4) == pytest.approx(0.5e-3)
+    assert hw.collective_time("all_reduce", 4e6, 4, 2e9, gap=0.0) == pytest.approx(4e-3 + 1.5 * 4e6 / 2e9)
+    assert hw.collective_time("all_reduce", 4e6, 1, 2e9) == 0.0
+    assert hw.message_latency(2) == 4e-3 and hw.message_latency(4) == 2e-3 and hw.message_latency(8) == 2e-3
+    assert "us per operator" in hw.source and "resident per rank" in hw.source
+    with pytest.raises(ValueError, match="calibrate_local_cpu"):
+        hardware("local-cpu")
+
+
+def test_mlmkit_runtime_prices_what_the_trainer_waits_for():
+    hw = _local()
+    pred = {name: predict(QUICK, hw, Layout.of(demo_config(**kw)), global_batch_size=16)
+            for name, kw in {"dp4": dict(tp=1, pp=1, dp=4), "tp2dp2": dict(tp=2, pp=1, dp=2),
+                             "tp4": dict(tp=4, pp=1, dp=1), "pp4": dict(tp=1, pp=4, dp=1),
+                             "tp2dp2 full": dict(tp=2, pp=1, dp=2, recompute="full")}.items()}
+    for name, r in pred.items():      # without a pipeline the step is the sum of its parts
+        parts = r["compute_s"] + r["tp_comm_s"] + r["bubble_s"] + r["dp_comm_s"] + r["optimizer_s"]
+        assert r["step_time_s"] == pytest.approx(parts), name
+    assert pred["dp4"]["tp_comm_s"] == 0 < pred["tp2dp2"]["tp_comm_s"] < pred["tp4"]["tp_comm_s"]
+    assert pred["tp2dp2 full"]["step_time_s"] > pred["tp2dp2"]["step_time_s"]
+    assert pred["pp4"]["bubble_s"] > 0
+    # the collectives' count: tp=2, 2 microbatches of 4 layers, 2 all-reduces each way per layer, plus the
+    # embedding's and the loss's 1 + 4 per microbatch; each at the measured latency (bytes at 2 GB/s)
+    r = pred["tp2dp2"]
+    act = 4 * 32 * 64 * 4
+    each = hw.collective_time("all_reduce", act, 2, hw.intra_node_bandwidth, gap=1e-9)
+    assert r["tp_comm_s"] == pytest.approx(2 * (4 * 4 + 2) * each + 2 * 3 * hw.collective_time(
+        "all_reduce", 4 * 32 * 4, 2, hw.intra_node_bandwidth, gap=1e-9), rel=0.25)
+    # twice the cores: the same work in half the time
+    faster = predict(QUICK, _local(cores=4), Layout.of(demo_config(tp=1, pp=1, dp=4)), global_batch_size=16)
+    assert faster["compute_s"] == pytest.approx(pred["dp4"]["compute_s"] / 2)
+    with pytest.raises(ValueError, match="context or expert"):
+        predict(QUICK, hw, Layout(cp=2, dp=2), global_batch_size=16)
+    table = plan(QUICK, gpus=4, gpu=hw, global_batch_size=16)
+    assert set(table.cp) == {1} and (table.tp * table.pp * table.dp == 4).all()
+    assert table.memory_per_gpu_bytes.max() < 2**30        # the framework allowance is the rank's, not a GPU's
+
+
+def _count_ops(rank, world_size, layouts):
+    from mlmkit.distributed import ProcessGroups
+    from mlmkit.distributed.calibrate import count_ops
+    from mlmkit.train import Trainer
+
+    out = []
+    for kw in layouts:
+        config = demo_config(**kw, tracing=False)
+        trainer = Trainer(config, groups=ProcessGroups.build(config.topology))
+        trainer.train_step()
+
+        def schedule():
+            trainer.begin_step()
+            while not trainer.executor.done:
+                trainer.executor.step_action()
+
+        out.append((count_ops(schedule), count_ops(trainer.finish_step)))
+    return out
+
+
+def test_operator_counts_are_mlmkits():
+    # OPS are counted in mlmkit's code; a change to the layers or the optimizer must update them.
+    from dataclasses import replace
+
+    from mlmkit.distributed import run_ranks
+
+    eight = replace(QUICK, layers=8)
+    layouts = [dict(tp=1, pp=1, dp=1), dict(tp=1, pp=1, dp=1, model=eight), dict(tp=1, pp=1, dp=1, micro_batch_size=2),
+               dict(tp=1, pp=1, dp=1, recompute="full")]
+    (s4, f4), (s8, f8), (s4m8, _), (rc, _) = run_ranks(_count_ops, world_size=1, args=(layouts,), timeout_s=120)[0]
+    per_layer = (s8 - s4) / (4 * 4)                       # 4 more layers, 4 microbatches
+    per_microbatch = (s4m8 - s4) / 4                      # 4 more microbatches of 4 layers
+    assert per_layer == pytest.approx(OPS["layer"], rel=0.1)
+    assert per_microbatch - 4 * per_layer == pytest.approx(OPS["embedding"] + OPS["head"], rel=0.15)
+    assert (rc - s4) / 16 == pytest.approx(OPS["layer_full_recompute"], rel=0.15)
+    assert (f8 - f4) / (4 * 12) == pytest.approx(OPS["optimizer_per_tensor"], rel=0.15)   # 12 tensors per layer
+
+
+def test_cli_plans_on_a_calibrated_local_cpu():
+    out = subprocess.run([sys.executable, "-m", "mlmkit.plan", "--model", "quickstart", "--gpus", "2", "--gpu",
+                          "local-cpu", "--quick", "--global-batch-size", "8", "--json", "--top", "3"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(rows) == 3 and all(r["tp"] * r["pp"] * r["dp"] == 2 and r["step_time_s"] > 0 for r in rows)
+    assert "measured on this machine for 2 ranks" in out.stderr and "n=2" in out.stderr and "p=2" in out.stderr
+
+
+def test_planning_code_imports_no_torch():
+    code = ("import sys, mlmkit.plan, mlmkit.plan.timing; from mlmkit.plan import plan; "
+            "bad=[m for m in sys.modules if m.startswith('torch')]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -311,6 +311,17 @@ def test_plan_figures_stack_the_predicted_parts():
     assert (stacked * 2**30 - table.memory_per_gpu_bytes.reset_index(drop=True)).abs().max() < 1
 
 
+def test_plan_vs_measured_figure_shows_both_and_the_ratio():
+    from mlmkit.viz import plan_vs_measured_figure
+
+    frame = pd.DataFrame({"predicted_s": [0.04, 0.45], "measured_s": [0.05, 0.40]}, index=["pp2 dp2", "tp4"])
+    fig = plan_vs_measured_figure(frame)
+    predicted, measured = fig.data
+    assert list(predicted.x) == ["pp2 dp2", "tp4"] and list(predicted.y) == pytest.approx([40.0, 450.0])
+    assert list(measured.y) == pytest.approx([50.0, 400.0]) and list(predicted.text) == ["0.80x", "1.12x"]
+    assert fig.layout.yaxis.type == "log"
+
+
 def test_static_report_shows_widget_fallbacks_loads_nothing_and_has_a_title():
     import nbformat
 

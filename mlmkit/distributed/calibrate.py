@@ -23,7 +23,8 @@ the cluster run them) and measures, in a few seconds:
 - **bandwidth**: a 4 MiB all-reduce over all ranks, its latency taken off;
 - **point-to-point latency per gap**: pairs exchange a message each way after the same gaps of
   work; half of what that adds;
-- the number of **cores** the ranks share and the **memory** per rank.
+- the number of **cores** the ranks share, the **memory** per rank (the machine's, divided), and
+  a rank's resident set before any model (Python, torch, gloo: the framework allowance).
 
 Collective over nothing: it launches its own processes (:func:`mlmkit.distributed.launch.run_ranks`),
 so call it from a driver, not from inside ranks.
@@ -152,8 +153,10 @@ def _window(fn, iterations: int) -> float:
 
 
 def _rank(rank: int, world_size: int, quick: bool) -> dict:
+    import psutil
+
     scale = 0.4 if quick else 1.0
-    out: dict = {}
+    out: dict = {"rss": psutil.Process().memory_info().rss}
     # compute, one process alone (the others wait in a barrier and use no core)
     out["gflops"] = {w: _alone(rank, lambda w=w: _matmul_gflops(w, 0.01 if quick else 0.03)) for w in WIDTHS}
     out["op_s"] = _alone(rank, _op_seconds)
@@ -244,21 +247,36 @@ def _repeat(rank: int, world_size: int, quick: bool, repeats: int) -> list[dict]
     return [_rank(rank, world_size, quick) for _ in range(repeats)]
 
 
+def _on_engine(state, quick: bool, repeats: int) -> list[dict]:
+    return _repeat(state.rank, dist.get_world_size(), quick, repeats)
+
+
 def calibrate_local_cpu(ranks: int = 4, *, quick: bool = False, repeats: Optional[int] = None,
-                        timeout_s: float = 300.0):
+                        timeout_s: float = 300.0, cluster=None):
     """Measure this machine for ``ranks`` CPU ranks (module docstring); returns a
     :class:`mlmkit.plan.Hardware` named ``local-cpu`` (fp32, mlmkit's runtime: collectives not
     overlapped with compute). Every quantity is the median of ``repeats`` measurements (default 3,
     about 30 s for 4 ranks on 2 cores; ``quick``: shorter windows and 1 repeat, ~5 s, for tests and
-    notebooks), each averaged over the ranks where every rank measures."""
+    notebooks), each averaged over the ranks where every rank measures.
+
+    Calibrate where the runs will be: by default in fresh processes, as ``torchrun`` or
+    :func:`~mlmkit.distributed.run_ranks` start them; with ``cluster=`` (a running
+    :class:`mlmkit.cluster.Cluster`) on its engines, whose own threads (ipyparallel's heartbeat and
+    messaging) also want the cores."""
     import psutil
 
     from mlmkit.plan.hardware import local_cpu
 
+    if cluster is not None:
+        ranks = cluster.world_size
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2:
         raise ValueError(f"calibrate_local_cpu: ranks={ranks!r} must be an integer >= 2 (collectives need peers)")
     repeats = repeats or (1 if quick else 3)
-    per_rank = run_ranks(_repeat, world_size=ranks, args=(quick, repeats), timeout_s=timeout_s)
+    if cluster is not None:
+        results = cluster.run(_on_engine, quick, repeats, timeout_s=timeout_s)
+        per_rank = [results[r] for r in range(ranks)]
+    else:
+        per_rank = run_ranks(_repeat, world_size=ranks, args=(quick, repeats), timeout_s=timeout_s)
     med = statistics.median
     runs = [[per_rank[r][i] for r in range(ranks)] for i in range(repeats)]      # runs[i][rank]
     r0s = [run[0] for run in runs]
@@ -272,4 +290,5 @@ def calibrate_local_cpu(ranks: int = 4, *, quick: bool = False, repeats: Optiona
     return local_cpu(gflops_by_width={w: med(r["gflops"][w] for r in r0s) for w in WIDTHS},
                      op_overhead_s=med(r["op_s"] for r in r0s), recompute_overhead_s=med(r["recompute_s"] for r in r0s),
                      collective_latency=latency, bandwidth=med(r["bandwidth"] for r in r0s), p2p_latency=p2p,
-                     cores=cores, memory_bytes=psutil.virtual_memory().total / ranks, ranks=ranks)
+                     cores=cores, memory_bytes=psutil.virtual_memory().total / ranks,
+                     framework_bytes=max(r["rss"] for r in r0s), ranks=ranks)

@@ -29,6 +29,9 @@ _LLAMA3_SOURCE = ("Dubey et al. 2024, 'The Llama 3 Herd of Models', table 3 (lay
                   "in the released tokenizer, sequence length 8,192)")
 
 PRESETS: dict[str, Preset] = {p.name: p for p in [
+    Preset("quickstart", GPTConfig(vocab_size=256, seq_len=32, hidden=64, heads=4, layers=4),
+           "mlmkit's own quickstart model (mlmkit.train.demo_config): a 4-layer byte-level GPT, hidden 64, "
+           "small enough to train on CPU ranks"),
     Preset("gpt3-175b",
            GPTConfig(vocab_size=50257, seq_len=2048, hidden=12288, heads=96, layers=96, ffn_hidden=4 * 12288,
                      make_vocab_size_divisible_by=128),

@@ -7,6 +7,11 @@ Example::
 
 Given flags (``--tp --cp --pp --dp --ep --chunks --schedule --micro-batch-size --recompute --zero``)
 constrain the search; the rest is searched. ``--json`` prints one JSON object per layout.
+
+``--gpu local-cpu`` first measures this machine for ``--gpus`` CPU ranks (about 30 s; ``--quick``:
+about 5 s, noisier) and predicts mlmkit's own runs on them, e.g. the quickstart model::
+
+    python -m mlmkit.plan --model quickstart --gpus 4 --gpu local-cpu --global-batch-size 16
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ def _parse(argv):
     p.add_argument("--model", required=True, help=f"a preset ({', '.join(sorted(PRESETS))}) or a JSON file of "
                                                   f"GPTConfig fields")
     p.add_argument("--gpus", type=int, required=True)
-    p.add_argument("--gpu", default="h100-sxm", help=f"one of {', '.join(sorted(GPUS))}")
+    p.add_argument("--gpu", default="h100-sxm", help=f"one of {', '.join(sorted(GPUS))}, or local-cpu (measured "
+                                                     f"on this machine for --gpus CPU ranks)")
+    p.add_argument("--quick", action="store_true", help="local-cpu: a shorter, noisier calibration")
     p.add_argument("--global-batch-size", type=int, required=True, help="sequences per step")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's)")
     for name in ("tp", "cp", "pp", "dp", "ep", "chunks", "micro-batch-size", "zero"):
@@ -66,7 +73,14 @@ def main(argv=None) -> int:
                                                   "micro_batch_size", "recompute", "zero")}
     try:
         model = _model(args)
-        table = plan(model, gpus=args.gpus, gpu=args.gpu, global_batch_size=args.global_batch_size,
+        gpu = args.gpu
+        if gpu == "local-cpu":
+            from mlmkit.distributed import calibrate_local_cpu
+
+            print(f"calibrating local-cpu for {args.gpus} ranks ...", file=sys.stderr, flush=True)
+            gpu = calibrate_local_cpu(args.gpus, quick=args.quick)
+            print(gpu.source, file=sys.stderr)
+        table = plan(model, gpus=args.gpus, gpu=gpu, global_batch_size=args.global_batch_size,
                      seq_len=args.seq_len, flash_attention=not args.no_flash_attention, top=args.top,
                      **{k: v for k, v in constraints.items() if v is not None})
     except ValueError as err:
@@ -80,7 +94,7 @@ def main(argv=None) -> int:
                          mfu_pct=table.mfu * 100)
     cols = ["tp", "cp", "pp", "dp", "chunks", "schedule", "micro_batch_size", "recompute", "zero", "memory_gib",
             "fits", "step_s", "tokens_per_s", "model_tflops_per_gpu", "mfu_pct"]
-    print(shown[cols].round(2).to_string())
+    print(shown[cols].to_string(float_format=lambda x: f"{x:.4g}"))
     return 0
 
 

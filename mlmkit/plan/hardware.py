@@ -47,6 +47,7 @@ class Hardware:
     collective_latency: tuple = ()
     p2p_latency: tuple = ()       # measured ((pipeline stages, latency s), ...) of one message; default latency_s
     cores: Optional[float] = None  # processors the ranks share; None: one per rank
+    framework_bytes: float = 2 * GiB   # per rank beyond the model: CUDA context, NCCL, workspaces (GPUs)
 
     def __post_init__(self) -> None:
         for name in ("peak_tflops", "memory_bytes", "hbm_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth"):
@@ -143,8 +144,8 @@ GPUS: dict[str, Hardware] = {h.name: h for h in [
 
 
 def local_cpu(*, gflops_by_width: dict, op_overhead_s: float, recompute_overhead_s: float, collective_latency: dict,
-              bandwidth: float,
-              p2p_latency: dict, cores: float, memory_bytes: float, ranks: int) -> Hardware:
+              bandwidth: float, p2p_latency: dict, cores: float, memory_bytes: float, framework_bytes: float,
+              ranks: int) -> Hardware:
     """The ``local-cpu`` :class:`Hardware` from a calibration's measurements (see
     :func:`mlmkit.distributed.calibrate_local_cpu`, which measures and calls this): the peak and
     ``half_width`` fitted to the matmul throughput per width (least squares over a grid of
@@ -164,7 +165,7 @@ def local_cpu(*, gflops_by_width: dict, op_overhead_s: float, recompute_overhead
         latency_s=p2p_latency[min(p2p_latency)], efficiency=1.0, half_width=half, runtime="mlmkit",
         precision="fp32", op_overhead_s=op_overhead_s, recompute_overhead_s=recompute_overhead_s,
         collective_latency=tuple(sorted((n, g, t) for (n, g), t in collective_latency.items())),
-        p2p_latency=tuple(sorted(p2p_latency.items())), cores=cores,
+        p2p_latency=tuple(sorted(p2p_latency.items())), cores=cores, framework_bytes=framework_bytes,
         source=f"measured on this machine for {ranks} ranks by mlmkit.distributed.calibrate_local_cpu: fp32 matmul "
                f"{', '.join(f'w={w}: {gflops_by_width[w]:.0f}' for w in widths)} GFLOP/s; "
                f"{op_overhead_s * 1e6:.1f} us per operator; {recompute_overhead_s * 1e6:.0f} us per recomputed "
@@ -172,7 +173,7 @@ def local_cpu(*, gflops_by_width: dict, op_overhead_s: float, recompute_overhead
                f"{', '.join(f'n={n} {g * 1e3:.2f} ms: {t * 1e3:.2f} ms' for (n, g), t in sorted(collective_latency.items()))}; "
                f"{bandwidth / 1e9:.2f} GB/s; message latency in a 1F1B pipeline "
                f"{', '.join(f'p={p}: {t * 1e3:.2f} ms' for p, t in sorted(p2p_latency.items()))}; "
-               f"{cores} cores")
+               f"{cores} cores; {framework_bytes / 2**20:.0f} MiB resident per rank before any model")
 
 
 def hardware(name_or_hw, **overrides) -> Hardware:

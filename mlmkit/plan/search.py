@@ -47,7 +47,9 @@ def search_space(model: GPTConfig, hw: Hardware, *, gpus: int, global_batch_size
     out = []
     tps = [t for t in options("tp", _divisors(hw.gpus_per_node)) if model.heads % t == 0 and gpus % t == 0]
     for t in tps:
-        for cp in options("cp", [c for c in (1, 2, 4, 8, 16) if seq_len % (2 * c) == 0 or c == 1]):
+        # mlmkit's own runtime (local-cpu) is modelled without context parallelism
+        cps = [1] if hw.runtime == "mlmkit" else [c for c in (1, 2, 4, 8, 16) if seq_len % (2 * c) == 0 or c == 1]
+        for cp in options("cp", cps):
             if gpus % (t * cp):
                 continue
             for p in options("pp", _divisors(gpus // (t * cp))):
@@ -67,7 +69,7 @@ def search_space(model: GPTConfig, hw: Hardware, *, gpus: int, global_batch_size
                         if v > 1 and (m < p or m % p or model.layers < p * v):
                             continue
                         for rc in options("recompute", ["none", "selective", "full"]):
-                            for zero in options("zero", [1, 3]):
+                            for zero in options("zero", [1, 3] if d * cp > 1 else [1]):
                                 out.append(Layout(tp=t, cp=cp, pp=p, dp=d, ep=fixed.get("ep") or 1, chunks=v,
                                                   schedule=sched, micro_batch_size=b, recompute=rc, zero=zero,
                                                   sequence_parallel=fixed.get("sequence_parallel", True)))

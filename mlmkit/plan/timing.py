@@ -33,7 +33,17 @@ Memory per GPU (the largest pipeline stage): model state from :func:`~mlmkit.est
 formula (:func:`~mlmkit.estimate.activation_bytes_per_layer`, ``implementation="megatron"``, with
 the model's own dropout), times the microbatches in flight on the first stage (1F1B: ``p``;
 interleaved: ``p (1 + (p - 1) / (p v))``, Korthikanti et al. 2022), plus an allowance: 5% for
-fragmentation and 2 GiB of framework buffers (CUDA context, NCCL, workspaces).
+fragmentation and the hardware's ``framework_bytes`` (GPUs: 2 GiB for the CUDA context, NCCL and
+workspaces; ``local-cpu``: a rank's measured resident set before any model).
+
+**mlmkit's own runtime** (``hw.runtime == "mlmkit"``: ``local-cpu``, measured by
+:func:`mlmkit.distributed.calibrate_local_cpu`) replaces the time terms above with what a step of
+:class:`mlmkit.train.Trainer` does on CPU ranks over gloo (:func:`_predict_mlmkit`): fp32; every
+collective waited for (nothing overlapped), each priced by the measured latency of its group size
+after the work that precedes it; host time per dispatched operator (:data:`OPS`, counted in
+mlmkit's code) and per recomputed region; ranks sharing the machine's cores (processor sharing:
+the pipeline through :func:`mlmkit.pipeline.simulate` with ``cores`` and the measured message
+latency of a pipeline of that depth); the optimizer's operators on every rank at once.
 """
 
 from __future__ import annotations
@@ -56,7 +66,6 @@ FRAGMENTATION = 1.05
 #: per token, of the hidden vector (2 norms, 2 dropouts, 2 residual adds) and of the MLP's inner
 #: vector (activation function), and, without flash attention, of each attention score.
 ELEMENTWISE_PASSES, MLP_PASSES, SCORE_PASSES = 24, 6, 12
-FRAMEWORK_BYTES = 2 * GiB
 ADAM_BYTES_PER_PARAM = 32
 
 
@@ -144,6 +153,9 @@ def _predict_mlmkit(model: GPTConfig, hw: Hardware, L: Layout, *, m: int, s: int
     from mlmkit.pipeline.simulate import Costs, simulate
 
     t, cp, p, d, v, b = L.tp, L.cp, L.pp, L.dp, L.chunks, L.micro_batch_size
+    if cp > 1 or L.ep > 1:
+        raise ValueError(f"{hw.name}: the time model of mlmkit's own runtime does not cover context or expert "
+                         f"parallelism yet (cp={cp}, ep={L.ep}); plan with cp=1 and ep=1 here")
     E = 4 if hw.precision == "fp32" else 2
     sp = L.sequence_parallel and t > 1
     h, layers = model.hidden, model.layers
@@ -331,7 +343,7 @@ def predict(model: GPTConfig, hw: Hardware, layout: Layout, *, global_batch_size
         mlp=model.mlp, norm=model.norm, rope=model.position == "rope")
     inflight = min(m, p) if v == 1 else p * (1 + (p - 1) / (p * v))
     activations = per_layer_act * lp * inflight
-    memory = (state + activations) * FRAGMENTATION + FRAMEWORK_BYTES
+    memory = (state + activations) * FRAGMENTATION + hw.framework_bytes
     return {
         "tp": t, "cp": cp, "pp": p, "dp": d, "ep": L.ep, "chunks": v, "schedule": L.schedule,
         "micro_batch_size": b, "recompute": L.recompute, "zero": L.zero, "microbatches": m,

@@ -261,8 +261,9 @@ class TrainConfig:
 
 def demo_config(**overrides) -> TrainConfig:
     """The quickstart run: a 4-layer byte-level GPT (hidden 64) on the shipped corpus, tp=2 x pp=2."""
-    model = GPTConfig(vocab_size=256, seq_len=32, hidden=64, heads=4, layers=4)
-    base = dict(model=model, tp=2, pp=2, dp=1, micro_batch_size=4, global_batch_size=16, max_steps=40,
+    from mlmkit.model.presets import preset
+
+    base = dict(model=preset("quickstart"), tp=2, pp=2, dp=1, micro_batch_size=4, global_batch_size=16, max_steps=40,
                 warmup_steps=4, lr=3e-3, min_lr=3e-4)
     base.update(overrides)
     return TrainConfig(**base)

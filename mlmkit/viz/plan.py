@@ -8,7 +8,7 @@ from typing import Optional
 import pandas as pd
 import plotly.graph_objects as go
 
-__all__ = ["PLAN_PARTS", "plan_breakdown_figure", "plan_memory_figure"]
+__all__ = ["PLAN_PARTS", "plan_breakdown_figure", "plan_memory_figure", "plan_vs_measured_figure"]
 
 #: The parts of a predicted step, in stacking order, with their colours.
 PLAN_PARTS = {"compute_s": ("compute", "#4C78A8"), "tp_comm_s": ("tp comm", "#F58518"),
@@ -54,4 +54,19 @@ def plan_memory_figure(table: pd.DataFrame, *, gpu_memory_bytes: float, top: int
     fig.update_layout(barmode="stack", title="Memory per GPU (predicted, largest stage)", xaxis_title="GiB",
                       yaxis=dict(autorange="reversed"), plot_bgcolor="white", height=120 + 28 * len(part),
                       legend=dict(orientation="h", y=-0.2))
+    return fig
+
+
+def plan_vs_measured_figure(frame: pd.DataFrame, *, title: Optional[str] = None) -> go.Figure:
+    """Grouped bars per layout (the frame's index): the planner's predicted step beside the measured
+    one (columns ``predicted_s`` and ``measured_s``, seconds; shown in milliseconds on a log axis, so
+    that layouts far apart stay readable), with each prediction's ratio to the measurement."""
+    fig = go.Figure()
+    labels = [str(i) for i in frame.index]
+    fig.add_bar(name="predicted", x=labels, y=frame.predicted_s * 1e3, marker_color="#4C78A8",
+                text=[f"{r:.2f}x" for r in frame.predicted_s / frame.measured_s], textposition="outside")
+    fig.add_bar(name="measured", x=labels, y=frame.measured_s * 1e3, marker_color="#F58518")
+    fig.update_layout(barmode="group", yaxis_type="log", yaxis_title="step time (ms, log scale)",
+                      title=title or "Planner's prediction against the measured step (label: predicted / measured)",
+                      legend_orientation="h", legend_y=-0.2)
     return fig
