@@ -55,6 +55,8 @@ def _parse(argv):
     p.add_argument("--save-every", type=int, default=0)
     p.add_argument("--load", help="resume from this checkpoint (any layout)")
     p.add_argument("--metrics-out", help="write per-step metrics as CSV (rank 0)")
+    p.add_argument("--print-world-size", action="store_true",
+                   help="print the number of ranks the config needs (tp*cp*pp*dp) and exit (batch scripts)")
     return p.parse_args(argv)
 
 
@@ -105,26 +107,40 @@ def main(argv=None) -> int:
         cfg = build_config(args)  # bad configs fail here, before any process group exists
     except ValueError as err:
         raise SystemExit(f"python -m mlmkit.train: {err}") from None
+    if args.print_world_size:
+        print(cfg.topology.world_size)
+        return 0
     import torch
 
     from mlmkit.distributed import ProcessGroups, init_distributed
     from mlmkit.train.checkpoint import load_checkpoint, save_checkpoint
     from mlmkit.train.trainer import Trainer
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    from mlmkit.distributed.rendezvous import job_env
+
+    job = job_env()
+    world, rank = job.world_size, job.rank
     try:
         cfg.topology.check_world_size(world)
     except ValueError as err:
-        raise SystemExit(f"python -m mlmkit.train: {err} (without torchrun there is 1 process: "
-                         f"add --tp 1 --pp 1 --dp 1 --cp 1)") from None
-    rank = int(os.environ.get("RANK", "0"))
-    if "MASTER_ADDR" in os.environ:
-        init_distributed(rank=rank, world_size=world, init_method="env://")
-        if not torch.cuda.is_available():
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
-        groups = ProcessGroups.build(cfg.topology)
-    else:
+        how = {"torchrun": "torchrun --nproc-per-node", "slurm": "sbatch/srun --ntasks"}.get(job.launcher)
+        raise SystemExit(f"python -m mlmkit.train: {err}" + (
+            f" (started by {job.launcher}: set {how} to {cfg.topology.world_size})" if how else
+            " (without torchrun or srun there is 1 process: add --tp 1 --pp 1 --dp 1 --cp 1)")) from None
+    if job.launcher == "none" or world == 1 and job.master_addr is None:
         groups = ProcessGroups.single()
+    else:
+        if job.master_addr is None or job.master_port is None:
+            raise SystemExit("python -m mlmkit.train: MASTER_ADDR and MASTER_PORT are not set; under Slurm the batch "
+                             "script exports them (cluster/slurm_train.sbatch: python -m mlmkit.distributed.rendezvous)")
+        if job.launcher == "torchrun":
+            init_distributed(rank=rank, world_size=world, init_method="env://")
+        else:     # srun: mlmkit's own store, bound to the master address only
+            os.environ.setdefault("LOCAL_RANK", str(job.local_rank))
+            init_distributed(rank=rank, world_size=world, init_method=f"tcp://{job.master_addr}:{job.master_port}")
+        if not torch.cuda.is_available():
+            torch.set_num_threads(job.cpus_per_task or max(1, (os.cpu_count() or 1) // job.local_world_size))
+        groups = ProcessGroups.build(cfg.topology)
     trainer = Trainer(cfg, groups=groups)
     if args.load:
         load_checkpoint(trainer, args.load)
