@@ -9,6 +9,8 @@ TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mlmkit-installed
 PYTEST_ARGS ?=
+# Optional extras installed into .venv: add mpi for Cluster(profile="mpi") (`make env EXTRAS=test,mpi`).
+EXTRAS ?= test
 
 .PHONY: demo test bench lab env clean
 
@@ -26,7 +28,7 @@ $(STAMP): pyproject.toml Makefile
 	  echo "mlmkit: no CUDA GPU, installing torch==$(TORCH_VERSION)"; \
 	  $(PY) -m pip install -q "torch==$(TORCH_VERSION)"; \
 	fi
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	@touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,7 +1,7 @@
-# Engines started with mpiexec (one process per rank) on the hosts your MPI launcher knows about.
-# The controller listens on all interfaces ON PURPOSE so that remote engines reach it.
+# Engines started with mpiexec (one process per rank) on the hosts your MPI knows about:
+# Cluster(topology=..., profile="mpi", scheduler_args=["--hostfile", "hosts.txt"]) (mpiexec options).
+# Needs mpiexec and mpi4py (pip install 'mlmkit[mpi]'). The controller listens on this host's
+# routable address (Cluster(controller_ip="127.0.0.1") when every engine runs on this host).
 c = get_config()  # noqa: F821
 
 c.Cluster.engine_launcher_class = "mpi"
-c.Cluster.controller_ip = "*"
-c.MPIEngineSetLauncher.mpi_args = []   # e.g. ["--hostfile", "hosts.txt"]

@@ -115,6 +115,51 @@ def _check_seconds(name: str, value: object, *, allow_zero: bool = False, upper:
     return float(value)
 
 
+def _is_loopback_address(host: str) -> bool:
+    return host.startswith("127.") or host in ("::1", "localhost")
+
+
+def _open_mpi_major() -> Optional[int]:
+    """Open MPI's major version from ``mpiexec --version``, or None for another MPI."""
+    import re
+    import subprocess
+
+    try:
+        text = subprocess.run(["mpiexec", "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(r"\((?:Open MPI|OpenRTE)\) (\d+)\.", text)
+    return int(m.group(1)) if m else None
+
+
+def _check_mpi(mpi_args: list) -> None:
+    """Fail before anything starts when the MPI profile cannot: no mpiexec, no mpi4py (the engines
+    register through MPI), or Open MPI run as root without its opt-in."""
+    import shutil as _shutil
+
+    if _shutil.which("mpiexec") is None:
+        raise ValueError("Cluster(profile='mpi'): no mpiexec on PATH; install an MPI (Debian/Ubuntu: apt-get install "
+                         "openmpi-bin libopenmpi-dev; conda: conda install -c conda-forge openmpi mpi4py)")
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        raise ValueError("Cluster(profile='mpi'): mpi4py is not installed; pip install 'mlmkit[mpi]' (or pip install "
+                         "mpi4py) in the environment the engines use") from None
+    if hasattr(os, "geteuid") and os.geteuid() == 0 and "--allow-run-as-root" not in mpi_args:
+        import subprocess
+
+        try:
+            version = subprocess.run(["mpiexec", "--version"], capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            version = ""
+        opted_in = (os.environ.get("OMPI_ALLOW_RUN_AS_ROOT") == "1"
+                    and os.environ.get("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM") == "1")
+        if ("Open MPI" in version or "OpenRTE" in version or "open-mpi.org" in version) and not opted_in:
+            raise ValueError("Cluster(profile='mpi'): Open MPI's mpiexec refuses to run as root; run as a normal user, "
+                             "or opt in with scheduler_args=['--allow-run-as-root'] (or the environment variables "
+                             "OMPI_ALLOW_RUN_AS_ROOT=1 and OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1)")
+
+
 class Cluster:
     """Local (or profile-defined) ipyparallel engines, one rank each.
 
@@ -128,13 +173,21 @@ class Cluster:
         threads: torch threads per CPU engine (default: cores of the host / engines on it).
         backend: "gloo" or "nccl" (default: nccl with CUDA, else gloo).
         engine_start_timeout_s: bound on starting the engines.
+        scheduler_args: options for the engines' launcher: ``sbatch`` options with
+            ``profile="slurm"`` (e.g. ``["--partition=gpu", "--gpus-per-task=1", "--time=1:00:00"]``),
+            ``mpiexec`` options with ``profile="mpi"`` (e.g. ``["--hostfile", "hosts.txt"]``).
+        controller_ip: where the controller listens. Default: 127.0.0.1 for ``"local"``; for
+            ``"slurm"`` and ``"mpi"`` this host's routable address (engines on other nodes connect
+            to it; never every interface). Give ``"127.0.0.1"`` when the engines run on this host.
 
-    Bad values raise ValueError here, before any process starts.
+    Bad values raise ValueError here, before any process starts (for ``"mpi"``: mpiexec or mpi4py
+    missing, or Open MPI run as root without its opt-in, with the fix named).
     """
 
     def __init__(self, *, topology: Optional[Topology] = None, n: Optional[int] = None, profile: str = "local",
                  timeout_s: float = 60.0, collective_timeout_s: float = 30.0, grace_s: float = 2.0,
-                 threads: Optional[int] = None, backend: Optional[str] = None, engine_start_timeout_s: float = 120.0):
+                 threads: Optional[int] = None, backend: Optional[str] = None, engine_start_timeout_s: float = 120.0,
+                 scheduler_args: Sequence[str] = (), controller_ip: Optional[str] = None):
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise ValueError(f"Cluster: n={n!r} must be an integer >= 1 (the number of engines)")
         if topology is None:
@@ -156,8 +209,18 @@ class Cluster:
                              f"choose 'gloo' (CPU), 'nccl' (one GPU per engine) or None (nccl when CUDA exists)")
         if not isinstance(profile, str) or (profile != "local" and _profile_source(profile) is None):
             raise ValueError(f"Cluster: no profile folder cluster/profile_{profile} (profiles: local, slurm, mpi)")
+        if isinstance(scheduler_args, str) or not all(isinstance(a, str) for a in scheduler_args):
+            raise ValueError(f"Cluster: scheduler_args={scheduler_args!r} must be a list of strings, one option each "
+                             f"(e.g. ['--partition=gpu', '--time=1:00:00'])")
+        if scheduler_args and profile == "local":
+            raise ValueError("Cluster: scheduler_args are options for sbatch (profile='slurm') or mpiexec "
+                             "(profile='mpi'); a local cluster has no scheduler")
         if profile == "local":
             self._check_local_capacity(topology.world_size, backend)
+        if profile == "mpi":
+            _check_mpi(list(scheduler_args))
+        self.scheduler_args = list(scheduler_args)
+        self.controller_ip = controller_ip
         self.topology, self.profile = topology, profile
         self.threads, self.backend = threads, backend
         self.ipp_cluster = None
@@ -235,9 +298,13 @@ class Cluster:
             shutil.copytree(src, self._profile_dir, dirs_exist_ok=True)
         os.chmod(self._profile_dir, stat.S_IRWXU)        # copytree copied the source folder's mode
         os.makedirs(os.path.join(self._profile_dir, "stacks"), mode=0o700, exist_ok=True)
-        kwargs = dict(n=self.world_size, profile_dir=self._profile_dir, log_level=40, shutdown_atexit=True)
-        if self.profile == "local":
-            kwargs["controller_ip"] = "127.0.0.1"
+        kwargs = dict(n=self.world_size, profile_dir=self._profile_dir, log_level=40, shutdown_atexit=True,
+                      controller_ip=self._controller_address(), config=self._launcher_config())
+        if self.profile in ("slurm", "mpi"):
+            from mlmkit.cluster import launchers
+
+            kwargs["engine_launcher_class"] = {"slurm": launchers.PrivateSlurmEngineSetLauncher,
+                                               "mpi": launchers.PrivateMPIEngineSetLauncher}[self.profile]
         self.ipp_cluster = ipp.Cluster(**kwargs)
         try:
             self.client = self.ipp_cluster.start_and_connect_sync(n=self.world_size)
@@ -246,12 +313,59 @@ class Cluster:
             self._assign_ranks(sorted(self.client.ids))
             self._start_reaper()
             self._connect_all()
-        except BaseException:
+        except KeyboardInterrupt:
             self.shutdown()
             raise
+        except Exception as err:
+            logs = self._log_tails()       # read before shutdown removes the private folder
+            self.shutdown()
+            if isinstance(err, (RankError, ValueError)):
+                raise
+            raise RuntimeError(f"Cluster(profile={self.profile!r}): the engines did not start: "
+                               f"{type(err).__name__}: {err}" + (f"\n{logs}" if logs else "")) from None
         self.start_time_s = time.perf_counter() - t0
         _STARTED.add(self)
         return self
+
+    def _controller_address(self) -> str:
+        if self.controller_ip:
+            return self.controller_ip
+        if self.profile == "local":
+            return "127.0.0.1"
+        from mlmkit.distributed.rendezvous import routable_address
+
+        return routable_address()
+
+    def _launcher_config(self):
+        """Launcher settings: job files and logs in the private folder, the scheduler's options."""
+        from traitlets.config import Config
+
+        cfg = Config()
+        if self.profile == "slurm":
+            cfg.SlurmEngineSetLauncher.submit_command = ["sbatch", *self.scheduler_args]
+        elif self.profile == "mpi":
+            args = list(self.scheduler_args)
+            if _is_loopback_address(self._controller_address()) and "btl" not in args and _open_mpi_major() == 4:
+                # Every engine on this host: Open MPI's shared-memory transport instead of TCP, whose
+                # listeners would bind every interface.
+                args += ["--mca", "btl", "self,vader"]
+            cfg.MPIEngineSetLauncher.mpi_args = args
+        return cfg
+
+    def _log_tails(self, lines: int = 20) -> str:
+        """The last lines of every log in the private folder (controller, engines, batch output)."""
+        if not self._profile_dir or not os.path.isdir(self._profile_dir):
+            return ""
+        out = []
+        for path in sorted(Path(self._profile_dir).rglob("*")):
+            if path.is_file() and (path.suffix in (".log", ".out", ".err") or path.parent.name == "log"):
+                try:
+                    tail = path.read_text(errors="replace").splitlines()[-lines:]
+                except OSError:
+                    continue
+                if tail:
+                    out.append(f"--- {path.name} (last {len(tail)} lines) ---\n" + "\n".join(tail))
+        return "\n".join(out)
 
     def _pids_file(self) -> str:
         return os.path.join(self._profile_dir, "pids")
@@ -361,7 +475,9 @@ class Cluster:
 
         last = None
         for _ in range(attempts):
-            master_host = "127.0.0.1" if self._is_local(0) else self._raw(0, remote.host_address)
+            # loopback only when every rank is on this host; else rank 0's routable address
+            every_local = all(self._is_local(r) for r in range(self.world_size))
+            master_host = "127.0.0.1" if every_local else self._raw(0, remote.host_address)
             port = self._raw(0, remote.free_port)
             pending = {r: self.client[self.engine_ids[r]].apply_async(_connect_remote, _ref(), master_host, port)
                        for r in range(self.world_size)}
@@ -415,8 +531,11 @@ class Cluster:
             if self.client is not None:
                 self.client.close()
             self.ipp_cluster.stop_cluster_sync()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - e.g. a batch job that was never submitted: nothing to cancel
             pass
+        # Stopped (or found nothing to stop) here: ipyparallel must not try again at exit or on
+        # garbage collection (a second traceback, and a profile folder written anew).
+        self.ipp_cluster.shutdown_atexit = False
         killed = _reap(pids, wait_s=10.0)
         if self._reaper is not None:
             self._reaper.kill()

@@ -203,7 +203,10 @@ def free_port(_state: EngineState) -> int:
 
 
 def host_address(_state: EngineState) -> str:
-    return socket.gethostbyname(socket.gethostname())
+    """An address of this engine's host that other hosts can reach (never a loopback address)."""
+    from mlmkit.distributed.rendezvous import routable_address
+
+    return routable_address()
 
 
 def shutdown(state: EngineState) -> None:
