@@ -171,18 +171,37 @@ def test_bad_cluster_values_fail_before_any_process(kwargs, needle):
 
 
 def test_session_controls_buttons(cluster):
+    # The last test on this module's cluster: it shuts the cluster down at the end.
     from mlmkit.viz import SessionControls
 
-    controls = SessionControls(cluster.session(CFG))
+    session = cluster.session(CFG)
+    controls = SessionControls(session)
+    tl = controls.timeline                              # between steps: the next step's plan, nothing done
+    assert len(tl) == 2 * 2 * CFG.microbatches and not tl.done.any()
+    assert set(tl.end - tl.start) <= {1.0, 2.0}         # logical time: slots, not seconds of thinking
     controls.action_button.click()
     assert controls.last and any(controls.last.values())
     assert (controls.state.position >= 0).all()
     controls.microbatch_button.click()
     assert controls.figure is not None and controls.error is None
-    controls.step_button.click()
-    assert "steps done: 1" in controls.status.value
+    tl = controls.timeline
+    assert tl.done.any() and not tl.done.all()          # part of the step done, the rest still to do
+    assert (controls.state.activation_bytes > 0).any()
+    # reset half-way through the step: the held activations are freed, and the next step runs clean
+    # (it used to hang on the abandoned step's messages still in flight)
     controls.reset_button.click()
-    assert (controls.state.position == controls.state.actions).all() or (controls.state.position == 0).all()
+    assert controls.error is None, controls.error
+    assert (controls.state.activation_bytes == 0).all() and (controls.state.held_count == 0).all()
+    controls.step_button.click()
+    assert controls.error is None and "steps done: 1" in controls.status.value
+    fresh = cluster.session(CFG)
+    fresh.step()
+    assert session.metrics().loss.iloc[0] == pytest.approx(fresh.metrics().loss.iloc[0], abs=1e-6)
+    fresh.close()
+    # after shutdown a click says why nothing happens
+    cluster.shutdown()
+    controls.step_button.click()
+    assert "shut down" in controls.status.value and controls.step_button.disabled
 
 
 _KERNEL = """

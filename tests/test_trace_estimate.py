@@ -154,3 +154,24 @@ def test_estimators_never_assume_a_precision():
     for fn in (estimate_memory, estimate_comm):
         with pytest.raises(ValueError, match="give precision='fp32' or 'bf16'"):
             fn(model, Topology(), micro_batch_size=1, microbatches=1)
+
+
+def test_an_abandoned_step_frees_its_activations():
+    # Saved outputs must not hold their own autograd node (node -> saved box -> tensor -> grad_fn):
+    # such a cycle runs through C++, the collector cannot free it, and an abandoned step (reset,
+    # failure) kept its activations for good.
+    import gc
+
+    from mlmkit.distributed import ProcessGroups
+    from mlmkit.train import Trainer, demo_config
+
+    trainer = Trainer(demo_config(tp=1, pp=1, dp=1, schedule="gpipe"), groups=ProcessGroups.single())
+    trainer.begin_step()
+    for _ in range(2):                      # GPipe: two forwards, no backward yet
+        trainer.executor.step_action()
+    assert trainer.memory.activations > 0
+    trainer.abandon_step()
+    gc.collect()
+    assert trainer.memory.activations == 0
+    trainer.train_step()                    # and the next step is whole
+    assert trainer.memory.activations == 0

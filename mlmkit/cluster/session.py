@@ -110,10 +110,13 @@ def _snapshot(state, sid, directory):
 
 
 def _abandon(state, sid):
+    import gc
+
     t = state.trainers.get(sid)
     if t is None:
         return None
     t.abandon_step()
+    gc.collect()        # the abandoned graphs' saved activations go now (and leave the memory count)
     return {"step": t.step, "updating": t.updating}
 
 
@@ -387,10 +390,17 @@ class Session:
         return self.metrics()
 
     def reset_step(self) -> None:
-        """Abandon the step in progress on every rank (no weight update)."""
+        """Abandon the step in progress on every rank (no weight update). Activations held for the
+        step are freed; a step left half-way may have messages in flight between ranks, so every
+        rank then re-joins a fresh ``torch.distributed`` world (a second or two) and the next step
+        starts clean."""
         with self._interrupts:
+            midstep = self.cursor is not None
             self._dirty = True
             self._recover_if_needed()
+            if midstep:
+                self.cluster._broken = True
+                self.cluster.ensure_healthy()
             self.cursor = None
 
     def close(self) -> None:

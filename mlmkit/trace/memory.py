@@ -86,7 +86,11 @@ class MemoryTracker:
         ptr = self._hold(t)
         if ptr is None:
             return t
-        box = _Saved(t)
+        # Detached: the same storage, without the grad_fn. A saved *output* would otherwise hold its
+        # own node (node -> saved box -> tensor -> grad_fn -> node), a cycle through C++ that Python's
+        # collector cannot see: a graph abandoned before its backward (a reset or failed step) would
+        # keep its activations forever. Backward only reads the saved values.
+        box = _Saved(t.detach())
         weakref.finalize(box, self._release, ptr)
         return box
 

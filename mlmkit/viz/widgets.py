@@ -118,7 +118,15 @@ def schedule_explorer(**kwargs) -> ScheduleExplorer:
 
 class SessionControls:
     """Buttons bound to a :class:`~mlmkit.cluster.Session`: step an action, a microbatch, a whole
-    step, or reset the step; the measured timeline and the per-rank state update after each click."""
+    step, or reset the step; the per-rank state (position, next action, held activations and their
+    bytes) and the step's timeline update after each click.
+
+    The timeline is in *logical* time, not wall-clock time (a student thinking between clicks is
+    not a pipeline bubble): the schedule laid out with one slot per forward and two per backward,
+    the actions already done on each pipeline rank in colour, those still to do in grey. Between
+    steps it shows the next step's plan. Errors (a failed rank, a cluster that was shut down)
+    appear in the widget, never only in a log.
+    """
 
     STATE_COLUMNS = ["pp", "tp", "dp", "step", "position", "actions", "next_action", "held_count", "activation_bytes"]
 
@@ -128,22 +136,25 @@ class SessionControls:
         self.microbatch_button = W.Button(description="microbatch", icon="fast-forward")
         self.step_button = W.Button(description="whole step", icon="forward")
         self.reset_button = W.Button(description="reset step", icon="undo")
+        self.buttons = [self.action_button, self.microbatch_button, self.step_button, self.reset_button]
         self.status = W.HTML()
         self.state_view = W.HTML()
         self.output = W.Output()
         self.figure = None
         self.state = None
+        self.timeline = None
         self.last: Optional[dict] = None
         self.error: Optional[str] = None
         self.action_button.on_click(lambda _b: self._do(self.session.step_action))
         self.microbatch_button.on_click(lambda _b: self._do(self.session.step_microbatch))
         self.step_button.on_click(lambda _b: self._do(self.session.step))
         self.reset_button.on_click(lambda _b: self._do(self.session.reset_step))
-        self.widget = W.VBox([W.HBox([self.action_button, self.microbatch_button, self.step_button, self.reset_button]),
-                              self.status, self.state_view, self.output])
+        self.widget = W.VBox([W.HBox(self.buttons), self.status, self.state_view, self.output])
         self.refresh()
 
     def _do(self, fn) -> None:
+        if not self._usable():
+            return
         try:
             out = fn()
             self.last = out if isinstance(out, dict) else None
@@ -152,26 +163,73 @@ class SessionControls:
             self.error = f"{type(err).__name__}: {err}"
         self.refresh()
 
+    def _usable(self) -> bool:
+        cluster = getattr(self.session, "cluster", None)
+        gone = getattr(self.session, "closed", False) or (cluster is not None and not cluster.running)
+        if gone:
+            self.error = ("this session's cluster is shut down (or the session is closed): nothing can step. "
+                          "Start a cluster and a new session, then new controls: SessionControls(cluster.session(config))")
+            for b in self.buttons:
+                b.disabled = True
+            self.status.value = f"<span style='color:#b00'>{html.escape(self.error)}</span>"
+        return not gone
+
     def refresh(self) -> None:
-        self.state = self.session.state()
+        if not self._usable():
+            return
+        try:
+            self.state = self.session.state()
+            hist = self.session.metrics()
+        except Exception as err:  # noqa: BLE001 - e.g. the engines went away between clicks
+            self.error = f"{type(err).__name__}: {err}"
+            self.status.value = f"<span style='color:#b00'>{html.escape(self.error[:2000])}</span>"
+            return
         cols = [c for c in self.STATE_COLUMNS if c in self.state]
         self.state_view.value = self.state[cols].to_html()
-        hist = self.session.metrics()
         msg = f"steps done: {len(hist)}" + (f", last loss {hist.loss.iloc[-1]:.4f}" if len(hist) else "")
         if self.error:
             msg += f"<br><span style='color:#b00'>{html.escape(self.error[:2000])}</span>"
         self.status.value = msg
-        events = self.session.traces()["events"]
-        if len(events):
-            step_rows = events[events.start >= self._step_start(events)]
-            self.figure = timeline_figure(step_rows, title="measured (current or last step)", unit="s")
+        self.timeline = self.logical_timeline()
+        in_step = bool(self.timeline.done.any() and not self.timeline.done.all())
+        self.figure = _progress_figure(self.timeline, title=("this step, in logical time" if in_step
+                                                             else "the next step's plan, in logical time"))
         _show(self.output, self.figure)
 
-    def _step_start(self, events) -> float:
-        # The current (or last) step began at the latest first forward of microbatch 0 on rank 0.
-        first = events[(events.action == "F") & (events.microbatch == 0) & (events.chunk == 0)]
-        first = first[first["rank"] == first["rank"].min()]
-        return float(first.start.max()) if len(first) else float(events.start.min())
+    def logical_timeline(self):
+        """The session's schedule in slots (F 1, B 2, W 1), with ``done``: whether each pipeline
+        rank has performed that action in the step in progress (all False between steps)."""
+        sched = self.session.schedule
+        costs = {"forward": 1.0, "backward": 2.0}
+        if sched.split_backward:
+            costs = {"forward": 1.0, "backward": 1.0, "weight": 1.0}
+        tl = simulate(sched, costs).timeline.sort_values(["rank", "start"]).reset_index(drop=True)
+        in_step = getattr(self.session, "cursor", None) is not None
+        done = {}
+        if in_step:
+            compute = ("F", "B", "I", "W")
+            for _, row in self.state.iterrows():
+                p, pos = int(row["pp"]), int(row["position"])
+                n = sum(1 for a in sched.actions[p][:pos] if a.kind in compute)
+                done[p] = min(done.get(p, n), n)
+        order = tl.groupby("rank").cumcount()
+        tl["done"] = [bool(i < done.get(int(r), 0)) for r, i in zip(tl["rank"], order)]
+        return tl
 
     def _ipython_display_(self) -> None:
         display(self.widget)
+
+
+def _progress_figure(timeline, *, title: str):
+    """A timeline whose actions still to do (``done`` False) are greyed over."""
+    import plotly.graph_objects as go
+
+    fig = timeline_figure(timeline[["rank", "action", "microbatch", "chunk", "start", "end"]], title=title,
+                          unit="slots")
+    todo = timeline[~timeline.done]
+    if len(todo):
+        fig.add_trace(go.Bar(x=todo.end - todo.start, base=todo.start, y=todo["rank"], orientation="h",
+                             marker=dict(color="rgba(225,225,225,0.92)", line=dict(color="#bbb", width=1)),
+                             name="to do", hovertext=[f"{a} mb {m}" for a, m in zip(todo.action, todo.microbatch)],
+                             hoverinfo="text"))
+    return fig
