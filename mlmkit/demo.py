@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -19,7 +22,10 @@ def run_quickstart(*, notebook: Path, out_dir: Path, timeout_s: int = 900) -> tu
     from nbclient import NotebookClient
     nb = nbformat.read(notebook, as_version=4)
     workdir = out_dir.parent
-    km = KernelManager(kernel_name="python3", transport="ipc")  # local sockets, not TCP
+    # Local sockets, not TCP, in a fresh private folder: ipc endpoints are files, and another kernel's
+    # (or a killed one's) files in the working folder would collide with ours.
+    sockets = tempfile.mkdtemp(prefix="mlmkit-kernel-")
+    km = KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(sockets, "kernel-ipc"))
     client = NotebookClient(nb, km=km, timeout=timeout_s, kernel_name="python3",
                             resources={"metadata": {"path": str(workdir)}})
     try:
@@ -27,12 +33,16 @@ def run_quickstart(*, notebook: Path, out_dir: Path, timeout_s: int = 900) -> tu
     finally:
         if km.has_kernel:  # we own the kernel manager, so we stop the kernel
             km.shutdown_kernel(now=False)
+        shutil.rmtree(sockets, ignore_errors=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     html = static_report(nb, title="mlmkit quickstart: tp=2 x pp=2 on 4 CPU ranks")
     report = out_dir / "quickstart.html"
     report.write_text(html, encoding="utf-8")
     nbformat.write(nb, out_dir / "quickstart.ipynb")
-    summary = json.loads((out_dir / "quickstart_summary.json").read_text())
+    written = workdir / "reports" / "quickstart_summary.json"      # where the notebook writes it
+    summary = json.loads(written.read_text())
+    if written.resolve() != (out_dir / "quickstart_summary.json").resolve():
+        (out_dir / "quickstart_summary.json").write_text(written.read_text())
     return report, summary
 
 

@@ -198,6 +198,9 @@ def test_session_controls_buttons(cluster):
     fresh.step()
     assert session.metrics().loss.iloc[0] == pytest.approx(fresh.metrics().loss.iloc[0], abs=1e-6)
     fresh.close()
+    bundle = controls._repr_mimebundle_()          # a static report shows the state where the widget stands
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    assert "steps done: 1" in bundle["text/html"] and "plotly" in bundle["text/html"]
     # after shutdown a click says why nothing happens
     cluster.shutdown()
     controls.step_button.click()

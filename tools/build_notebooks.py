@@ -107,6 +107,38 @@ from mlmkit.viz import bubble_table
 bubbles = bubble_table(timeline)
 bubbles
 """),
+    md("""
+Why more idle time than the textbook's 1F1B bubble, `(p - 1) / (m + p - 1)` = 1/5 = 20% here? That
+formula assumes every stage costs the same and messages are free. Here the last stage also runs the
+head and the loss, every message through gloo costs a fraction of a millisecond, and 4 ranks share
+this machine's cores, so a rank that could run often waits for a core. `simulate(..., cores=2)`
+with calibrated costs reproduces that (notebook 02); on GPUs, one per rank, the measured share
+comes much closer to the formula.
+"""),
+    code("""
+p, m = config.pp, config.microbatches
+print(f"1F1B formula: {(p - 1) / (m + p - 1):.0%} idle; measured here: {bubbles.idle.sum() / (bubbles.busy.sum() + bubbles.idle.sum()):.0%}")
+"""),
+    md("""
+## Step through a step
+The same session, one action at a time, with buttons: each click runs every rank whose next
+action can complete. The table shows each rank's position, its next action and the activations it
+holds (bytes); the timeline is in logical time (one slot per forward, two per backward): what is
+done in colour, what is still to do in grey. Think as long as you like between clicks: that is not
+a bubble. `reset step` drops the step in progress (no weight update).
+"""),
+    code("""
+from mlmkit.viz import SessionControls
+controls = SessionControls(session)
+controls.action_button.click()            # what two clicks do, so that this page shows a step half-way
+controls.microbatch_button.click()
+assert controls.error is None and controls.timeline.done.any() and not controls.timeline.done.all()
+controls
+"""),
+    code("""
+controls.step_button.click()              # finish the step
+assert controls.error is None and not controls.timeline.done.any()   # between steps: the next plan
+"""),
     code("""
 opts = dict(micro_batch_size=config.micro_batch_size, microbatches=config.microbatches, precision=config.precision)
 mem_est = estimate_memory(config.model, config.topology, **opts)
@@ -511,6 +543,18 @@ session.step()                               # warm-up
 for _ in range(4):
     print(session.step_action())
 session.state()[["pp", "position", "actions", "next_action", "held", "activation_bytes"]]
+"""),
+    md("""
+The same with buttons: `SessionControls` steps an action, a microbatch or the whole step, or
+resets it, and shows each rank's state and the step in logical time (done in colour, to do in
+grey; wall-clock time would count your thinking between clicks as bubble).
+"""),
+    code("""
+from mlmkit.viz import SessionControls
+controls = SessionControls(session)
+controls.action_button.click()
+assert controls.error is None and controls.timeline.done.any()
+controls
 """),
     code("""
 session.step()                               # finish this step

@@ -216,8 +216,15 @@ class SessionControls:
         tl["done"] = [bool(i < done.get(int(r), 0)) for r, i in zip(tl["rank"], order)]
         return tl
 
-    def _ipython_display_(self) -> None:
-        display(self.widget)
+    def _repr_mimebundle_(self, **kwargs):
+        # The live widget, and for a static page (an exported report) its state at export as HTML:
+        # status, the per-rank table and the timeline.
+        bundle = self.widget._repr_mimebundle_(**kwargs)
+        fallback = self.status.value + self.state_view.value
+        if self.figure is not None:
+            fallback += self.figure.to_html(full_html=False, include_plotlyjs=False)
+        bundle["text/html"] = fallback
+        return bundle
 
 
 def _progress_figure(timeline, *, title: str):
