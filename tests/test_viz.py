@@ -337,3 +337,20 @@ def test_static_report_shows_widget_fallbacks_loads_nothing_and_has_a_title():
     assert "<title>my report</title>" in html
     assert "bubble" in html and "widget-view" not in html
     assert not re.search(r"<script[^>]*src=[\"']https?://", html)
+
+
+def test_timeline_hatches_chunks_and_merges_large_schedules():
+    from mlmkit.pipeline import make_schedule, simulate
+    from mlmkit.viz import timeline_figure
+
+    tl = simulate(make_schedule("interleaved-1f1b", stages=4, microbatches=8, chunks=2), {"forward": 1, "backward": 2}).timeline
+    fig = timeline_figure(tl)
+    fwd = next(t for t in fig.data if t.name == "forward")
+    chunks = [int(c) for _, c in fwd.customdata]
+    assert [s for s in fwd.marker.pattern.shape] == ["" if c == 0 else "/" for c in chunks] and set(chunks) == {0, 1}
+    big = simulate(make_schedule("interleaved-1f1b", stages=8, microbatches=64, chunks=2),
+                   {"forward": 1, "backward": 2}).timeline                        # 2048 actions
+    fig = timeline_figure(big)
+    merged = next(t for t in fig.data if "merged" in t.name)
+    assert len(merged.x) < 100 and sum(merged.x) == pytest.approx((big.end - big.start).sum())
+    assert not any(t.name in ("forward", "backward") for t in fig.data)

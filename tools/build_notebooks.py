@@ -160,6 +160,11 @@ comm_by_axis_figure(traces["comm"], estimate=comm_est)
     code("""
 comm_heatmap(traces["comm"])
 """),
+    md("When each message and collective ran during the step, per rank and axis:"),
+    code("""
+from mlmkit.viz import comm_timeline_figure
+comm_timeline_figure(traces["comm"])
+"""),
     md("""
 ## Explore schedules without a cluster
 Change the schedule, the number of stages `p`, microbatches `m`, chunks `v` and the costs of

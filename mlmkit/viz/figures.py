@@ -21,6 +21,8 @@ __all__ = [
 ]
 
 ACTION_COLORS = {"F": "#4C78A8", "B": "#F58518", "I": "#E45756", "W": "#54A24B"}
+#: Hatching of model chunks 0, 1, 2, ... in timelines (chunk 0 plain).
+CHUNK_PATTERNS = ["", "/", "x", "\\", ".", "+"]
 ACTION_NAMES = {"F": "forward", "B": "backward", "I": "backward (inputs)", "W": "weight grad"}
 MEMORY_COLORS = {"parameters": "#4C78A8", "gradients": "#F58518", "optimizer": "#54A24B", "activations": "#E45756"}
 AXIS_COLORS = {"tp": "#4C78A8", "cp": "#E45756", "pp": "#F58518", "dp": "#54A24B", "embedding": "#B279A2",
@@ -114,21 +116,55 @@ def _idle_intervals(tl: pd.DataFrame, t0: float, t1: float) -> list[tuple[float,
     return gaps
 
 
+#: Above this many blocks a timeline merges each rank's back-to-back blocks into busy segments
+#: (whatever their kind) beside the bubbles: thousands of labelled bars are unreadable and slow.
+MAX_LABELLED_BLOCKS = 600
+
+
+def _merge_contiguous(part: pd.DataFrame) -> pd.DataFrame:
+    """Blocks merged where one ends exactly where the next on the same rank begins."""
+    rows = []
+    for r, g in part.sort_values(["rank", "start"]).groupby("rank"):
+        cur = None
+        for row in g.itertuples(index=False):
+            if cur is not None and abs(row.start - cur["end"]) <= 1e-12 * max(1.0, abs(row.start)):
+                cur["end"], cur["count"] = row.end, cur["count"] + 1
+            else:
+                if cur is not None:
+                    rows.append(cur)
+                cur = {"rank": r, "start": row.start, "end": row.end, "microbatch": row.microbatch,
+                       "chunk": row.chunk, "count": 1}
+        if cur is not None:
+            rows.append(cur)
+    return pd.DataFrame(rows, columns=["rank", "start", "end", "microbatch", "chunk", "count"])
+
+
 def _timeline_traces(timeline: pd.DataFrame, *, row_offset: float = 0.0, name_suffix: str = "",
                      showlegend: bool = True, t0: Optional[float] = None) -> list[go.Bar]:
+    """Bars per action kind; chunks after the first are hatched (``/``, ``x``, ...) so an
+    interleaved or V schedule's model chunks can be told apart; large timelines are merged."""
     tl = timeline.copy()
     t0 = tl.start.min() if t0 is None else t0
     t1 = tl.end.max()
     traces = []
-    for kind in ("F", "B", "I", "W"):
+    if len(tl) > MAX_LABELLED_BLOCKS:
+        merged = _merge_contiguous(tl)
+        traces.append(go.Bar(
+            y=merged["rank"] + row_offset, x=merged.end - merged.start, base=merged.start - t0, orientation="h",
+            name=f"compute ({len(tl)} actions, merged)" + name_suffix, marker=dict(color="#6F8FAF", line=dict(width=0)),
+            showlegend=showlegend, legendgroup="merged", customdata=merged[["count"]].values,
+            hovertemplate="%{customdata[0]} actions back to back<br>%{base:.4g} + %{x:.4g}<extra></extra>"))
+    for kind in ("F", "B", "I", "W") if len(tl) <= MAX_LABELLED_BLOCKS else ():
         part = tl[tl.action == kind]
         if part.empty:
             continue
         label = part.microbatch.astype(str) + part.chunk.map(lambda c: f".{c}" if c else "")
+        hatch = [CHUNK_PATTERNS[int(c) % len(CHUNK_PATTERNS)] for c in part.chunk]
         traces.append(go.Bar(
             y=part["rank"] + row_offset, x=part.end - part.start, base=part.start - t0, orientation="h",
             name=ACTION_NAMES[kind] + name_suffix,
-            marker=dict(color=ACTION_COLORS[kind], line=dict(width=0.5, color="white")), text=label,
+            marker=dict(color=ACTION_COLORS[kind], line=dict(width=0.5, color="white"),
+                        pattern=dict(shape=hatch, fgcolor="rgba(255,255,255,0.55)", size=6)), text=label,
             textposition="inside", insidetextanchor="middle", showlegend=showlegend, legendgroup=kind,
             customdata=part[["microbatch", "chunk"]].values,
             hovertemplate=f"{kind} mb %{{customdata[0]}} chunk %{{customdata[1]}}<br>%{{base:.4g}} + %{{x:.4g}}<extra></extra>"))
