@@ -354,3 +354,27 @@ def test_timeline_hatches_chunks_and_merges_large_schedules():
     merged = next(t for t in fig.data if "merged" in t.name)
     assert len(merged.x) < 100 and sum(merged.x) == pytest.approx((big.end - big.start).sum())
     assert not any(t.name in ("forward", "backward") for t in fig.data)
+
+
+def test_shard_pictures_show_every_row_and_the_split_blocks():
+    from mlmkit.viz import shard_figure, shard_matrix_figure
+
+    rows = []
+    for rank in (0, 1):
+        rows += [dict(rank=rank, name="fc1.weight", local_shape=(128, 64), global_shape=(256, 64), split_dim=0, tp_rank=rank,
+                      tp_size=2, bytes=128 * 64 * 4),
+                 dict(rank=rank, name="fc1.bias", local_shape=(128,), global_shape=(256,), split_dim=0, tp_rank=rank,
+                      tp_size=2, bytes=512),
+                 dict(rank=rank, name="fc2.weight", local_shape=(64, 128), global_shape=(64, 256), split_dim=1,
+                      tp_rank=rank, tp_size=2, bytes=128 * 64 * 4),
+                 dict(rank=rank, name="fc2.bias", local_shape=(64,), global_shape=(64,), split_dim=None, tp_rank=rank,
+                      tp_size=2, bytes=256)]
+    shards = pd.DataFrame(rows)
+    shards["split_dim"] = shards["split_dim"].astype("Int64")
+    table = shard_figure(shards)
+    assert table.layout.height >= 170 + 28 * len(shards)              # all 8 rows fit (it used to hide 3)
+    fig = shard_matrix_figure(shards)
+    blocks = {(t.name, tuple(t.x), tuple(t.y)) for t in fig.data}
+    assert ("rank 0: (128, 64)", (0, 64, 64, 0, 0), (0, 0, 128, 128, 0)) in blocks      # fc1: row blocks
+    assert ("rank 1: (64, 128)", (128, 256, 256, 128, 128), (0, 0, 64, 64, 0)) in blocks  # fc2: column blocks
+    assert sum(t.name == "replicated" for t in fig.data) == 2                           # fc2.bias on both ranks

@@ -270,6 +270,11 @@ shards
 from mlmkit.viz import shard_figure
 shard_figure(shards)
 """),
+    md("The same as a picture: each weight at its full shape, cut into the blocks the two ranks hold."),
+    code("""
+from mlmkit.viz import shard_matrix_figure
+shard_matrix_figure(shards)
+"""),
     md("Forward and backward on the same input `x` of shape `[s, b, h] = [8, 2, 64]` on every rank."),
     code("""
 def run_mlp(r):

@@ -2,7 +2,7 @@
 
 Figures: :func:`topology_figure`, :func:`timeline_figure`, :func:`timeline_comparison`,
 :func:`memory_figure`, :func:`comm_heatmap`, :func:`comm_by_axis_figure`,
-:func:`comm_timeline_figure`, :func:`shard_figure`; context parallelism: :func:`cp_split_figure`,
+:func:`comm_timeline_figure`, :func:`shard_figure`, :func:`shard_matrix_figure`; context parallelism: :func:`cp_split_figure`,
 :func:`ring_timeline_figure`, :func:`cp_memory_figure`; mixture of experts: :func:`expert_load_figure`,
 :func:`all_to_all_figure`, :func:`moe_training_figure`; ZeRO: :func:`parameter_memory_figure`,
 :func:`zero_bytes_figure`; plans: :func:`plan_breakdown_figure`, :func:`plan_memory_figure`, :func:`plan_vs_measured_figure`;
@@ -20,6 +20,7 @@ from mlmkit.viz.figures import (
     memory_figure,
     save_html,
     shard_figure,
+    shard_matrix_figure,
     timeline_comparison,
     timeline_figure,
     topology_figure,
@@ -34,6 +35,6 @@ __all__ = [
     "cp_memory_figure", "cp_split_figure", "cp_work_frame", "ring_timeline_figure", "all_to_all_figure",
     "expert_load", "expert_load_figure", "moe_training_figure", "parameter_memory_figure", "zero_bytes_figure",
     "zero_bytes_frame", "plan_breakdown_figure", "plan_memory_figure", "plan_vs_measured_figure",
-    "comm_timeline_figure", "memory_figure", "save_html", "schedule_explorer", "shard_figure", "timeline_comparison",
+    "comm_timeline_figure", "memory_figure", "save_html", "schedule_explorer", "shard_figure", "shard_matrix_figure", "timeline_comparison",
     "timeline_figure", "topology_figure",
 ]

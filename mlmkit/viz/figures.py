@@ -16,7 +16,7 @@ from plotly.subplots import make_subplots
 
 __all__ = [
     "ACTION_COLORS", "MEMORY_COLORS", "bubble_table", "comm_by_axis_figure", "comm_heatmap", "comm_matrix",
-    "comm_timeline_figure", "memory_figure", "save_html", "shard_figure", "timeline_comparison", "timeline_figure",
+    "comm_timeline_figure", "memory_figure", "save_html", "shard_figure", "shard_matrix_figure", "timeline_comparison", "timeline_figure",
     "topology_figure",
 ]
 
@@ -342,6 +342,57 @@ def shard_figure(shards: pd.DataFrame) -> go.Figure:
     fill = [["#eef3fb" if s == "replicated" else "white" for s in split]] * len(cols)
     fig = go.Figure(go.Table(header=dict(values=cols, fill_color="#4C78A8", font=dict(color="white")),
                              cells=dict(values=values, fill_color=fill, align="left")))
+    # every row visible: header, title and one line per row (plotly's default cell is ~28 px)
     fig.update_layout(title="Parameter shards (blue rows: replicated on every TP rank)",
-                      height=min(900, 120 + 24 * len(df)))
+                      height=170 + 30 * len(df), margin=dict(t=60, b=10))
+    return fig
+
+
+RANK_COLORS = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#EECA3B", "#9D755D"]
+
+
+def shard_matrix_figure(shards: pd.DataFrame) -> go.Figure:
+    """The split matrices: each parameter at its global shape, cut into the blocks the tensor-parallel
+    ranks hold (colour: rank), a replicated parameter as one block all ranks hold.
+
+    ``shards``: :func:`mlmkit.model.shard_table` rows of every rank (e.g. ``cluster.run_frame``).
+    """
+    from plotly.subplots import make_subplots
+
+    names = list(dict.fromkeys(shards["name"]))
+    fig = make_subplots(rows=1, cols=len(names), subplot_titles=names, horizontal_spacing=0.06)
+    ranks = sorted(shards["rank"].unique())
+    for i, name in enumerate(names, start=1):
+        part = shards[shards["name"] == name].sort_values("rank")
+        shape = tuple(part.global_shape.iloc[0])
+        rows, cols = (shape[0], shape[1]) if len(shape) == 2 else (1, shape[0])
+        split = part.split_dim.iloc[0]
+        size = int(part.tp_size.iloc[0]) if "tp_size" in part else len(part)
+        for _, r in part.iterrows():
+            if pd.isna(split):
+                x0, x1, y0, y1 = 0, cols, 0, rows
+                label, color, opacity = "replicated", "#BAB0AC", 0.5
+            else:
+                k = int(r.tp_rank) if "tp_rank" in r else ranks.index(r["rank"])
+                local = tuple(r.local_shape)
+                if len(shape) == 1 or int(split) == 0 and len(shape) == 2:
+                    n = local[0]
+                    if len(shape) == 2:
+                        x0, x1, y0, y1 = 0, cols, k * n, (k + 1) * n
+                    else:
+                        x0, x1, y0, y1 = k * n, (k + 1) * n, 0, 1
+                else:
+                    n = local[1]
+                    x0, x1, y0, y1 = k * n, (k + 1) * n, 0, rows
+                label, color, opacity = f"rank {r['rank']}: {local}", RANK_COLORS[k % len(RANK_COLORS)], 0.85
+            fig.add_trace(go.Scatter(x=[x0, x1, x1, x0, x0], y=[y0, y0, y1, y1, y0], fill="toself", mode="lines",
+                                     line=dict(color="white", width=2), fillcolor=color, opacity=opacity,
+                                     name=label, hoveron="fills", hoverinfo="name", showlegend=False),
+                          row=1, col=i)
+            fig.add_annotation(x=(x0 + x1) / 2, y=(y0 + y1) / 2, text=label, showarrow=False,
+                               font=dict(color="white" if label != "replicated" else "#333", size=11), row=1, col=i)
+        fig.update_xaxes(title_text=f"columns ({cols})", range=[0, cols], showgrid=False, row=1, col=i)
+        fig.update_yaxes(title_text=f"rows ({rows})", range=[rows, 0], showgrid=False, row=1, col=i)
+    fig.update_layout(title=f"Split matrices over {len(ranks)} ranks (colour: the rank holding the block)",
+                      height=380, plot_bgcolor="white")
     return fig
