@@ -378,3 +378,29 @@ def test_shard_pictures_show_every_row_and_the_split_blocks():
     assert ("rank 0: (128, 64)", (0, 64, 64, 0, 0), (0, 0, 128, 128, 0)) in blocks      # fc1: row blocks
     assert ("rank 1: (64, 128)", (128, 256, 256, 128, 128), (0, 0, 64, 64, 0)) in blocks  # fc2: column blocks
     assert sum(t.name == "replicated" for t in fig.data) == 2                           # fc2.bias on both ranks
+
+
+def test_activation_peaks_figure_shows_estimates_on_a_log_axis_with_units():
+    from mlmkit.viz import activation_peaks_figure
+
+    peaks = pd.DataFrame({"variant": ["1f1b", "1f1b", "full recompute", "full recompute"], "rank": [0, 1, 0, 1],
+                          "measured MiB": [2.0, 1.0, 0.05, 0.03], "estimated MiB": [2.1, 1.0, 0.05, 0.03]})
+    fig = activation_peaks_figure(peaks)
+    assert fig.layout.yaxis.type == "log" and "MiB" in fig.layout.yaxis.title.text
+    assert fig.layout.legend.title.text == "rank"                        # not plotly express's "color"
+    names = [t.name for t in fig.data]
+    assert "rank 0 measured" in names and "rank 1 estimated" in names
+    est = next(t for t in fig.data if t.name == "rank 0 estimated")
+    assert list(est.y) == [2.1, 0.05]
+
+
+def test_memory_figure_labels_axes_and_keeps_peak_labels_clear():
+    from mlmkit.viz import memory_figure
+
+    rows = [dict(rank=r, time=t, parameters=1e6, gradients=1e6, optimizer=2e6, activations=a, activations_peak=a)
+            for r in (0, 1) for t, a in ((0.0, 0.0), (0.1, 3e6), (0.2, 1e6))]
+    fig = memory_figure(pd.DataFrame(rows))
+    assert fig.layout.xaxis.title.text == "time (s)" and fig.layout.yaxis.title.text == "MiB"
+    peak = max(t.y[0] for t in fig.data if t.name == "peak")
+    assert fig.layout.yaxis.range[1] >= 1.2 * peak                      # headroom under the subplot title
+    assert all(t.textposition == "bottom left" for t in fig.data if t.name == "peak")

@@ -881,9 +881,9 @@ peaks = pd.DataFrame(rows)
 peaks.pivot(index="variant", columns="rank", values="measured MiB").round(3)
 """),
     code("""
-import plotly.express as px
-px.bar(peaks, x="variant", y="measured MiB", color=peaks["rank"].astype(str), barmode="group",
-       title="Peak activation memory per rank (measured); GPipe holds every microbatch")
+from mlmkit.viz import activation_peaks_figure
+activation_peaks_figure(peaks, title="Peak activation memory per rank: measured (bars) and estimated (marks); "
+                                     "GPipe holds every microbatch")
 """),
     code("""
 memory, est = measure(base)

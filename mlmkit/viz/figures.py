@@ -16,7 +16,7 @@ from plotly.subplots import make_subplots
 
 __all__ = [
     "ACTION_COLORS", "MEMORY_COLORS", "bubble_table", "comm_by_axis_figure", "comm_heatmap", "comm_matrix",
-    "comm_timeline_figure", "memory_figure", "save_html", "shard_figure", "shard_matrix_figure", "timeline_comparison", "timeline_figure",
+    "activation_peaks_figure", "comm_timeline_figure", "memory_figure", "save_html", "shard_figure", "shard_matrix_figure", "timeline_comparison", "timeline_figure",
     "topology_figure",
 ]
 
@@ -253,14 +253,43 @@ def memory_figure(memory: pd.DataFrame, *, estimate: Optional[pd.DataFrame] = No
         k = int(total.values.argmax())
         fig.add_trace(go.Scatter(x=[t.iloc[k]], y=[total.iloc[k] / mib], mode="markers+text", name="peak",
                                  legendgroup="peak", showlegend=(i == 0), marker=dict(symbol="triangle-down", size=10, color="black"),
-                                 text=[f"peak {total.iloc[k] / mib:.2f} MiB"], textposition="top right"), row=row, col=col)
+                                 text=[f"peak {total.iloc[k] / mib:.2f} MiB"], textposition="bottom left"),
+                      row=row, col=col)
+        top = total.max() / mib
         if estimate is not None and r in estimate.index:
             est = float(estimate.loc[r, "total"]) / mib
+            top = max(top, est)
             fig.add_trace(go.Scatter(x=[t.min(), t.max()], y=[est, est], mode="lines", name="estimate",
                                      legendgroup="estimate", showlegend=(i == 0),
                                      line=dict(dash="dash", color="black", width=1)), row=row, col=col)
-    fig.update_layout(title="Memory per rank (MiB)", height=260 * rows + 80, plot_bgcolor="white",
-                      legend=dict(orientation="h", y=-0.15))
+        ymax = max(ymax, top) if i else top
+        fig.update_xaxes(title_text="time (s)", row=row, col=col)
+    # headroom above the highest peak so that its label stays clear of the subplot titles
+    fig.update_yaxes(range=[0, ymax * 1.25], row=1, col=1)
+    fig.update_yaxes(title_text="MiB", row=1, col=1)
+    fig.update_layout(title="Memory per rank (MiB)", height=280 * rows + 100, plot_bgcolor="white",
+                      legend=dict(orientation="h", y=-0.22), margin=dict(t=90))
+    return fig
+
+
+def activation_peaks_figure(peaks: pd.DataFrame, *, title: str = "Peak activation memory per rank") -> go.Figure:
+    """Grouped bars per variant and rank: measured peak activations (bars) and the estimator's
+    (black marks), on a log axis so that small recomputed peaks stay visible beside large ones.
+
+    ``peaks``: columns ``variant``, ``rank``, ``measured MiB``, ``estimated MiB``.
+    """
+    fig = go.Figure()
+    ranks = sorted(peaks["rank"].unique())
+    for k, r in enumerate(ranks):
+        part = peaks[peaks["rank"] == r]
+        fig.add_bar(x=part["variant"], y=part["measured MiB"], name=f"rank {r} measured", offsetgroup=str(r),
+                    marker_color=RANK_COLORS[k % len(RANK_COLORS)], legendgroup=str(r))
+        fig.add_trace(go.Scatter(x=part["variant"], y=part["estimated MiB"], mode="markers", name=f"rank {r} estimated",
+                                 offsetgroup=str(r), legendgroup=str(r),
+                                 marker=dict(symbol="line-ew-open", size=22, color="black", line=dict(width=3))))
+    fig.update_layout(title=title, barmode="group", scattermode="group", yaxis_type="log",
+                      yaxis_title="peak activations (MiB, log scale)", xaxis_title="variant",
+                      legend_title_text="rank", plot_bgcolor="white")
     return fig
 
 
