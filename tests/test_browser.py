@@ -1,5 +1,8 @@
-"""JupyterLab in headless Chromium: open the quickstart notebook, run it, find a plotly figure and the
-schedule explorer widget, keep a screenshot (artifacts/quickstart_lab.png)."""
+"""JupyterLab in headless Chromium: open the quickstart notebook, run it up to the cell that stops the
+cluster, then use it as a student would: the schedule explorer reacts to a changed schedule and a
+moved slider, an invalid setting shows its message below the controls, the stepping widget's
+"whole step" button advances the real 4-rank session; then run the rest. Keeps a screenshot
+(artifacts/quickstart_lab.png)."""
 
 import os
 import secrets
@@ -91,11 +94,15 @@ def _drive_lab(sync_playwright, url, token, workdir):
                                    timeout=60_000)
             # The kernel must be ready, and the notebook the current widget, before running everything.
             page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
-            started = False
+            # Run every cell above the one that stops the cluster, so that the widgets stay live.
+            run_above = """() => { const nb = window.jupyterapp.shell.currentWidget.content;
+                const i = nb.widgets.findIndex(c => c.model.sharedModel.getSource().trim() === 'cluster.shutdown()');
+                nb.activeCellIndex = i; window.jupyterapp.commands.execute('notebook:run-all-above'); return i; }"""
+            started, shutdown_cell = False, -1
             for _ in range(3):
                 page.locator(".jp-Notebook .jp-Cell").first.click()
                 # Do not await the command: its promise settles only when every cell has run.
-                page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); return true; }")
+                shutdown_cell = page.evaluate(run_above)
                 try:  # a prompt turns into [*] or [n] once cells run
                     page.wait_for_function("Array.from(document.querySelectorAll('.jp-InputArea-prompt'))"
                                            ".some(e => /\\[(\\*|\\d+)\\]/.test(e.textContent))", timeout=20_000)
@@ -103,14 +110,25 @@ def _drive_lab(sync_playwright, url, token, workdir):
                     break
                 except Exception:  # noqa: BLE001 - try again
                     page.screenshot(path=str(ARTIFACTS / "quickstart_lab_not_started.png"))
-            assert started, "run-all did not start (see artifacts/quickstart_lab_not_started.png)"
+            assert started and shutdown_cell > 0, "run-all-above did not start (see quickstart_lab_not_started.png)"
             page.wait_for_selector(".jp-OutputArea-output .js-plotly-plot", timeout=150_000)
             page.wait_for_selector(".jp-OutputArea-output .widget-dropdown select", timeout=150_000)
             page.wait_for_selector(".jp-OutputArea-output .widget-slider", timeout=60_000)
-            # Wait for the whole notebook (its last cell stops the cluster).
             page.wait_for_function(
                 "Array.from(document.querySelectorAll('.jp-InputArea-prompt')).every("
                 "e => !e.textContent.includes('*'))", timeout=200_000)
+            _use_the_widgets(page)
+            # Now the rest: stop the cluster (and anything after it).
+            page.evaluate("""(i) => { const nb = window.jupyterapp.shell.currentWidget.content;
+                nb.activeCellIndex = i; window.jupyterapp.commands.execute('notebook:run-all-below'); return true; }""",
+                          shutdown_cell)
+            page.wait_for_function(
+                "(i) => { const p = document.querySelectorAll('.jp-Notebook .jp-Cell')[i]"
+                ".querySelector('.jp-InputArea-prompt'); return /\\[\\d+\\]/.test(p.textContent); }",
+                arg=shutdown_cell, timeout=120_000)
+            page.wait_for_function(
+                "Array.from(document.querySelectorAll('.jp-InputArea-prompt')).every("
+                "e => !e.textContent.includes('*'))", timeout=120_000)
             errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
             tracebacks = [t for t in errors.all_inner_texts() if "Traceback" in t or "Error" in t.split("\n")[0]]
             assert not tracebacks, tracebacks[:2]
@@ -123,3 +141,45 @@ def _drive_lab(sync_playwright, url, token, workdir):
         finally:
             page.screenshot(path=str(ARTIFACTS / "quickstart_lab_last.png"))
             browser.close()
+
+
+def _text(locator) -> str:
+    return locator.inner_text(timeout=30_000)
+
+
+def _use_the_widgets(page) -> None:
+    """What a student does with the live widgets; each must visibly react."""
+    # The schedule explorer: another schedule in the dropdown changes its summary.
+    explorer = page.locator(".jp-OutputArea-output .widget-vbox", has=page.locator(".widget-dropdown select")).first
+    explorer.scroll_into_view_if_needed()
+    summary = explorer.locator(".widget-html", has_text="step time").first
+    before = _text(summary)
+    explorer.locator(".widget-dropdown select").first.select_option("interleaved-1f1b")
+    page.wait_for_function("(b) => Array.from(document.querySelectorAll('.widget-html'))"
+                           ".some(e => e.innerText.includes('interleaved-1f1b') && e.innerText !== b)", arg=before,
+                           timeout=30_000)
+    # A slider moved with the keyboard: m from 4 to 3 is not a valid interleaved schedule for p = 2,
+    # and the message appears (below the controls); back to 4, it goes away.
+    slider = explorer.locator(".widget-slider", has_text="microbatches m").first
+    handle = slider.locator(".noUi-handle").first
+    handle.focus()
+    page.keyboard.press("ArrowLeft")
+    page.wait_for_function("() => Array.from(document.querySelectorAll('.widget-html'))"
+                           ".some(e => e.innerText.includes('Not a valid schedule'))", timeout=30_000)
+    assert "microbatch" in _text(explorer.locator(".widget-html", has_text="Not a valid schedule").first)
+    handle.focus()
+    page.keyboard.press("ArrowRight")
+    page.wait_for_function("() => !Array.from(document.querySelectorAll('.widget-html'))"
+                           ".some(e => e.innerText.includes('Not a valid schedule'))", timeout=30_000)
+    # The stepping widget: "whole step" runs one more step of the real 4-rank session.
+    step = page.locator(".jp-OutputArea-output button", has_text="whole step").first
+    step.scroll_into_view_if_needed()
+    import re
+
+    texts = page.evaluate("() => Array.from(document.querySelectorAll('.widget-html')).map(e => e.textContent)")
+    found = [m for m in (re.search(r"steps done:\s*(\d+)", t) for t in texts) if m]
+    assert found, [t[:80] for t in texts]
+    done = int(found[0].group(1))
+    step.click()
+    page.wait_for_function(f"() => Array.from(document.querySelectorAll('.widget-html'))"
+                           f".some(e => e.textContent.includes('steps done: {done + 1}'))", timeout=120_000)
