@@ -123,6 +123,20 @@ def _message_key(schedule: Schedule, rank: int, a: Action) -> tuple:
     return ("gradient", a.microbatch, vs + 1)  # RECV_GRAD
 
 
+def _durations(schedule: Schedule, costs: Costs):
+    """``duration(rank, action)``: each kind of action's cost per rank and chunk, computed once."""
+    cache: dict[tuple, float] = {}
+
+    def duration(r: int, a: Action) -> float:
+        key = (r, a.kind, a.chunk)
+        d = cache.get(key)
+        if d is None:
+            d = cache[key] = costs.duration(schedule, r, a)
+        return d
+
+    return duration
+
+
 def dry_run(schedule: Schedule, costs: Costs, *, ordered: bool = False, compute_only: bool = False) -> list[tuple]:
     """Run the schedule's actions on modelled time. Returns rows (rank, index, action, start, end).
 
@@ -141,7 +155,7 @@ def dry_run(schedule: Schedule, costs: Costs, *, ordered: bool = False, compute_
     hop = costs.message_time()
     # Per rank, each action once: (code, message key or duration, channel); 0 send, 1 receive, 2 compute.
     plans = []
-    durations: dict[tuple, float] = {}
+    duration = _durations(schedule, costs)
     offsets = {"SEND_ACT": ("activation", 0), "RECV_ACT": ("activation", -1), "SEND_GRAD": ("gradient", 0),
                "RECV_GRAD": ("gradient", 1)}
     for r in range(p):
@@ -156,11 +170,7 @@ def dry_run(schedule: Schedule, costs: Costs, *, ordered: bool = False, compute_
                 else:
                     plan.append((1, key, (a.peer, r)))
             else:
-                dkey = (r, kind, a.chunk)
-                d = durations.get(dkey)
-                if d is None:
-                    d = durations[dkey] = costs.duration(schedule, r, a)
-                plan.append((2, d, None))
+                plan.append((2, duration(r, a), None))
         plans.append(plan)
     # Event-driven: a rank runs until it must wait for a message; the send of that message wakes it.
     ready = deque(range(p))
@@ -244,7 +254,7 @@ def _tagged_compute_run(schedule: Schedule, costs: Costs) -> tuple[dict, list, f
     p, m = schedule.stages, schedule.microbatches
     hop = costs.message_time()
     vs = schedule.virtual_stage
-    plans, durations = [], {}
+    plans, duration = [], _durations(schedule, costs)
     for r in range(p):
         plan = []
         for i, a in enumerate(schedule.actions[r]):
@@ -258,11 +268,7 @@ def _tagged_compute_run(schedule: Schedule, costs: Costs) -> tuple[dict, list, f
             elif kind == "RECV_GRAD":
                 plan.append((1, ((vs(r, a.chunk) + 1) * m + a.microbatch) * 2 + 1, i))
             else:
-                dkey = (r, kind, a.chunk)
-                d = durations.get(dkey)
-                if d is None:
-                    d = durations[dkey] = costs.duration(schedule, r, a)
-                plan.append((2, d, i))
+                plan.append((2, duration(r, a), i))
         plans.append(plan)
     ranks, kinds, mbs, chunks, starts, ends = [], [], [], [], [], []
     busy = [0.0] * p
