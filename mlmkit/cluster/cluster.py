@@ -146,15 +146,9 @@ def _check_mpi(mpi_args: list) -> None:
         raise ValueError("Cluster(profile='mpi'): mpi4py is not installed; pip install 'mlmkit[mpi]' (or pip install "
                          "mpi4py) in the environment the engines use") from None
     if hasattr(os, "geteuid") and os.geteuid() == 0 and "--allow-run-as-root" not in mpi_args:
-        import subprocess
-
-        try:
-            version = subprocess.run(["mpiexec", "--version"], capture_output=True, text=True, timeout=10).stdout
-        except (OSError, subprocess.TimeoutExpired):
-            version = ""
         opted_in = (os.environ.get("OMPI_ALLOW_RUN_AS_ROOT") == "1"
                     and os.environ.get("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM") == "1")
-        if ("Open MPI" in version or "OpenRTE" in version or "open-mpi.org" in version) and not opted_in:
+        if _open_mpi_major() is not None and not opted_in:
             raise ValueError("Cluster(profile='mpi'): Open MPI's mpiexec refuses to run as root; run as a normal user, "
                              "or opt in with scheduler_args=['--allow-run-as-root'] (or the environment variables "
                              "OMPI_ALLOW_RUN_AS_ROOT=1 and OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1)")
@@ -478,7 +472,7 @@ class Cluster:
             # loopback only when every rank is on this host; else rank 0's routable address
             every_local = all(self._is_local(r) for r in range(self.world_size))
             master_host = "127.0.0.1" if every_local else self._raw(0, remote.host_address)
-            port = self._raw(0, remote.free_port)
+            port = self._raw(0, remote.free_port, master_host)
             pending = {r: self.client[self.engine_ids[r]].apply_async(_connect_remote, _ref(), master_host, port)
                        for r in range(self.world_size)}
             errors = {}
@@ -614,6 +608,12 @@ class Cluster:
         if self._broken:
             self._connect_all()
         return gone
+
+    def rejoin(self) -> None:
+        """Every rank re-joins a fresh ``torch.distributed`` world now (new port, new groups, the
+        same trainers): nothing sent in the old world can reach the new one."""
+        self._broken = True
+        self.ensure_healthy()
 
     def activate(self, suffix: str = "") -> None:
         """Register ``%px``/``%%px`` magics on this cluster's engines (in rank order)."""

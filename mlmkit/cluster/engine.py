@@ -196,10 +196,10 @@ def call(state: EngineState, fn: Callable, args: tuple, kwargs: dict):
 
 
 # --------------------------------------------------------------------------- engine-side helpers
-def free_port(_state: EngineState) -> int:
+def free_port(_state: EngineState, host: str = "127.0.0.1") -> int:
     from mlmkit.distributed import find_free_port
 
-    return find_free_port()
+    return find_free_port(host)
 
 
 def host_address(_state: EngineState) -> str:

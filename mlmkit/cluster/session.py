@@ -399,8 +399,7 @@ class Session:
             self._dirty = True
             self._recover_if_needed()
             if midstep:
-                self.cluster._broken = True
-                self.cluster.ensure_healthy()
+                self.cluster.rejoin()
             self.cursor = None
 
     def close(self) -> None:

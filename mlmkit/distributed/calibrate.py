@@ -2,7 +2,7 @@
 predict mlmkit's own runs on CPU ranks.
 
 :func:`calibrate_local_cpu` starts ``ranks`` processes (gloo, one thread each, as the trainer and
-the cluster run them) and measures, in a few seconds:
+the cluster run them; or uses a cluster's engines) and measures, in about 30 s (``quick``: 5 s):
 
 - **matmul throughput** of one process alone, fp32, ``[128, w] @ [w, 4w]`` for several widths
   ``w``: the best is the peak, and the width at which half of it is reached sets ``half_width``
@@ -15,14 +15,16 @@ the cluster run them) and measures, in a few seconds:
   At the quickstart's size (hidden 64) this, not arithmetic, is most of a step;
 - **collective latency per group size and gap**: every group of ``n`` ranks (``n`` dividing
   ``ranks``) all-reduces 16 floats at the same time, as tensor- or data-parallel groups do in a
-  step, each time after a gap of work (0 to 48 repeats of the chain above): the time per call
+  step, each time after a short and a long gap of work (2 and 32 repeats of the chain above),
+  averaged over a long window: the time per call
   beyond that work run on all ranks at once without collectives. With more ranks than cores the
   operating system's scheduling is most of it, and it grows with the gap (a member that worked
   may have lost its core and waits for a time slice): 4 ranks on 2 cores, milliseconds, not
   microseconds;
 - **bandwidth**: a 4 MiB all-reduce over all ranks, its latency taken off;
-- **point-to-point latency per gap**: pairs exchange a message each way after the same gaps of
-  work; half of what that adds;
+- **message latency per pipeline depth**: groups of ``p`` ranks run a synthetic 1F1B step (chain
+  work as forwards and backwards, 16-float messages); the latency at which
+  :func:`mlmkit.pipeline.simulate` with the shared cores reproduces it (bisection);
 - the number of **cores** the ranks share, the **memory** per rank (the machine's, divided), and
   a rank's resident set before any model (Python, torch, gloo: the framework allowance).
 
@@ -91,17 +93,27 @@ def _matmul_gflops(width: int, seconds: float) -> float:
     return flops / _median_time(lambda: [a @ b for _ in range(reps)], 5) * reps / 1e9
 
 
-def _chain(repeats: int):
-    """A chain of ``repeats`` small Transformer-like steps (layer norm, linear, GELU, residual add)
-    and its backward, on tensors too small for their arithmetic to matter."""
+def _block():
+    """One small Transformer-like step (layer norm, linear, GELU, residual add) and its input, on
+    tensors too small for their arithmetic to matter: ``(body, x0)``."""
     torch.manual_seed(0)
     lin, norm = torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)
     x0 = torch.randn(16, 8, requires_grad=True)
 
+    def body(x):
+        return x + torch.nn.functional.gelu(lin(norm(x)))
+
+    return body, x0
+
+
+def _chain(repeats: int):
+    """``repeats`` of :func:`_block`'s step and the backward of them all."""
+    body, x0 = _block()
+
     def run():
         x = x0
         for _ in range(repeats):
-            x = x + torch.nn.functional.gelu(lin(norm(x)))
+            x = body(x)
         x.sum().backward()
 
     return run
@@ -118,13 +130,8 @@ def _recompute_seconds(op_s: float) -> float:
     from mlmkit.model.blocks import recomputed
     from mlmkit.tensor_parallel.random import TPRandomState
 
-    torch.manual_seed(0)
-    lin, norm = torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)
-    x0 = torch.randn(16, 8, requires_grad=True)
+    body, x0 = _block()
     rng = TPRandomState(seed=0)
-
-    def body(x):
-        return x + torch.nn.functional.gelu(lin(norm(x)))
 
     def plain():
         body(x0).sum().backward()

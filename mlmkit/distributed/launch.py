@@ -62,10 +62,10 @@ class RankTimeout(RuntimeError):
         )
 
 
-def find_free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-__all__ = ["JobEnv", "free_port", "job_env", "routable_address"]
+__all__ = ["JobEnv", "job_env", "routable_address"]
 
 
 def routable_address() -> str:
@@ -39,13 +39,6 @@ def routable_address() -> str:
                 return a.address
     raise RuntimeError("this host has no non-loopback IPv4 address: ranks on other nodes could not reach it; "
                        "run on one node, or set MASTER_ADDR to an address they can reach")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` at this moment."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)
@@ -95,7 +88,9 @@ def main(argv=None) -> int:
     except RuntimeError as err:
         print(f"mlmkit rendezvous: {err}", file=sys.stderr)
         return 2
-    print(addr, free_port(addr))
+    from mlmkit.distributed.launch import find_free_port
+
+    print(addr, find_free_port(addr))
     return 0
 
 

@@ -144,7 +144,7 @@ OPS = {"layer": 104, "layer_tp": 6, "layer_sp": 20, "layer_full_recompute": 70, 
        "embedding": 30, "head": 51, "step": 75, "optimizer_per_tensor": 10, "dp_per_tensor": 5}
 
 
-def _predict_mlmkit(model: GPTConfig, hw: Hardware, L: Layout, *, m: int, s: int, flash_attention: bool) -> dict:
+def _predict_mlmkit(model: GPTConfig, hw: Hardware, L: Layout, *, m: int, s: int) -> dict:
     """Time of a step of mlmkit's own trainer (``hw.runtime == "mlmkit"``, e.g. ``local-cpu``):
     every collective waited for (gloo: nothing overlapped), operators' host time counted
     (:data:`OPS` times ``hw.op_overhead_s``), ranks sharing ``hw.cores`` processors (processor
@@ -160,7 +160,7 @@ def _predict_mlmkit(model: GPTConfig, hw: Hardware, L: Layout, *, m: int, s: int
     sp = L.sequence_parallel and t > 1
     h, layers = model.hidden, model.layers
     peak = hw.peak_tflops * 1e12 * hw.compute_efficiency(h / t)
-    fl, _, train_flops = _flops(model, s)
+    fl = _flops(model, s)[0]
     tokens = b * s
     per_layer = (fl["linear"] + fl["attention"]) / layers * tokens / (t * cp)       # forward FLOPs
     attn_share = fl["attention"] / (fl["linear"] + fl["attention"])
@@ -323,7 +323,7 @@ def predict(model: GPTConfig, hw: Hardware, layout: Layout, *, global_batch_size
                  "cp_comm_s": m * lp * cp_exposed, "ep_comm_s": m * lp * ep_time, "pp_comm_s": m * 2 * p2p * v,
                  "bubble_s": bubble, "dp_comm_s": dp_exposed, "optimizer_s": optimizer}
     if hw.runtime == "mlmkit":
-        breakdown = _predict_mlmkit(model, hw, L, m=m, s=s, flash_attention=flash_attention)
+        breakdown = _predict_mlmkit(model, hw, L, m=m, s=s)
         step = breakdown["step_time_s"]
     # throughput and utilisation
     tr = train_flops[L.recompute]

@@ -25,6 +25,8 @@ ACTION_COLORS = {"F": "#4C78A8", "B": "#F58518", "I": "#E45756", "W": "#54A24B"}
 CHUNK_PATTERNS = ["", "/", "x", "\\", ".", "+"]
 ACTION_NAMES = {"F": "forward", "B": "backward", "I": "backward (inputs)", "W": "weight grad"}
 MEMORY_COLORS = {"parameters": "#4C78A8", "gradients": "#F58518", "optimizer": "#54A24B", "activations": "#E45756"}
+#: One colour per tensor-parallel rank (shard pictures, per-rank bars).
+RANK_COLORS = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#EECA3B", "#9D755D"]
 AXIS_COLORS = {"tp": "#4C78A8", "cp": "#E45756", "pp": "#F58518", "dp": "#54A24B", "embedding": "#B279A2",
                "world": "#9D755D"}
 BUBBLE_COLOR = "rgba(150, 150, 150, 0.35)"
@@ -375,9 +377,6 @@ def shard_figure(shards: pd.DataFrame) -> go.Figure:
     fig.update_layout(title="Parameter shards (blue rows: replicated on every TP rank)",
                       height=170 + 30 * len(df), margin=dict(t=60, b=10))
     return fig
-
-
-RANK_COLORS = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#EECA3B", "#9D755D"]
 
 
 def shard_matrix_figure(shards: pd.DataFrame) -> go.Figure:

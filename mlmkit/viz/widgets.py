@@ -34,6 +34,16 @@ def _show(output: W.Output, fig) -> None:
             display(fig)
 
 
+def _bundle(widget, html_text: str, figure, **kwargs) -> dict:
+    """The live widget, and for a static page (an exported report) its state as HTML: ``html_text``
+    and the figure (plotly.js comes from the page)."""
+    bundle = widget._repr_mimebundle_(**kwargs)
+    if figure is not None:
+        html_text += figure.to_html(full_html=False, include_plotlyjs=False)
+    bundle["text/html"] = html_text
+    return bundle
+
+
 class ScheduleExplorer:
     """Pick a schedule, p, m, v and the costs of F, B and W; see the timeline, bubble and peak in-flight.
 
@@ -102,13 +112,7 @@ class ScheduleExplorer:
         _show(self.output, self.figure)
 
     def _repr_mimebundle_(self, **kwargs):
-        # The live widget, and for a static page (an exported report) its current state as HTML.
-        bundle = self.widget._repr_mimebundle_(**kwargs)
-        fallback = self.summary.value + self.error_box.value
-        if self.figure is not None:
-            fallback += self.figure.to_html(full_html=False, include_plotlyjs=False)
-        bundle["text/html"] = fallback
-        return bundle
+        return _bundle(self.widget, self.summary.value + self.error_box.value, self.figure, **kwargs)
 
 
 def schedule_explorer(**kwargs) -> ScheduleExplorer:
@@ -217,14 +221,7 @@ class SessionControls:
         return tl
 
     def _repr_mimebundle_(self, **kwargs):
-        # The live widget, and for a static page (an exported report) its state at export as HTML:
-        # status, the per-rank table and the timeline.
-        bundle = self.widget._repr_mimebundle_(**kwargs)
-        fallback = self.status.value + self.state_view.value
-        if self.figure is not None:
-            fallback += self.figure.to_html(full_html=False, include_plotlyjs=False)
-        bundle["text/html"] = fallback
-        return bundle
+        return _bundle(self.widget, self.status.value + self.state_view.value, self.figure, **kwargs)
 
 
 def _progress_figure(timeline, *, title: str):
