@@ -170,6 +170,25 @@ def test_bad_cluster_values_fail_before_any_process(kwargs, needle):
     assert set(psutil.Process().children(recursive=True)) == before
 
 
+def test_reset_half_way_then_the_step_equals_an_uninterrupted_one(cluster):
+    # Beside the widget's one reset: a reset after the first action and one in the steady state both
+    # free the held activations, and the next step equals a fresh session's first step.
+    fresh = cluster.session(CFG)
+    fresh.step()
+    reference = fresh.metrics().loss.iloc[0]
+    fresh.close()
+    for actions in (1, 6):
+        session = cluster.session(CFG)
+        for _ in range(actions):
+            session.step_action()
+        session.reset_step()
+        state = session.state()
+        assert (state.activation_bytes == 0).all() and (state.held_count == 0).all(), actions
+        session.step()
+        assert session.metrics().loss.iloc[0] == pytest.approx(reference, abs=1e-6), actions
+        session.close()
+
+
 def test_session_controls_buttons(cluster):
     # The last test on this module's cluster: it shuts the cluster down at the end.
     from mlmkit.viz import SessionControls

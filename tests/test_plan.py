@@ -87,6 +87,18 @@ def test_custom_hardware_is_validated():
         Hardware(name="x", peak_tflops=0, memory_bytes=1, hbm_bandwidth=1, intra_node_bandwidth=1, gpus_per_node=8,
                  inter_node_bandwidth=1)
     assert all(h.source for h in GPUS.values())
+    base = dict(name="x", peak_tflops=1, memory_bytes=1, hbm_bandwidth=1, intra_node_bandwidth=1, gpus_per_node=8,
+                inter_node_bandwidth=1)
+    for field, value in (("runtime", "torchtitan"), ("precision", "fp8"), ("cores", 0)):
+        with pytest.raises(ValueError, match=f"{field}="):
+            Hardware(**base, **{field: value})
+
+
+def test_calibration_refuses_a_single_rank_before_starting_anything():
+    from mlmkit.distributed import calibrate_local_cpu
+
+    with pytest.raises(ValueError, match="ranks=1 must be an integer >= 2"):
+        calibrate_local_cpu(1)
 
 
 def test_cli_json_and_constraints():

@@ -128,7 +128,7 @@ configs = [demo_config(**kw, tracing=False) for kw in LAYOUTS.values()]
 
 def time_on_engine(state, configs):
     from mlmkit.train import time_layouts
-    return time_layouts(configs, steps=4, rounds=2)
+    return time_layouts(configs, steps=3, rounds=2)
 
 measured = cluster.run(time_on_engine, configs)[0]
 cluster.shutdown()
