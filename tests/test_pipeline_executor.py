@@ -1,12 +1,13 @@
 """The executor runs the same Schedule objects on real gloo ranks and matches the serial GPT."""
 
+import pandas as pd
 import pytest
 import torch
 
 from mlmkit import Topology
 from mlmkit.distributed import ProcessGroups, RankFailure, run_ranks
 from mlmkit.model import GPT, gather_full, tiny_config
-from mlmkit.pipeline import Action, ScheduleError, make_schedule
+from mlmkit.pipeline import Action, ScheduleError, make_schedule, replay
 from mlmkit.pipeline.executor import PipelineExecutor, build_model_chunks
 from mlmkit.trace import Tracer
 
@@ -113,6 +114,12 @@ def _sweep(tp, pp, cases):
         sched = make_schedule(name, stages=pp, microbatches=m, chunks=chunks, microbatch_group=group)
         for r in results:
             assert len(r["events"]) == len(sched.compute_actions(r["pp"])), case
+        # The measured step is never shorter than its own action times replayed with free messages
+        # (same order, same dependencies): what notebook 00 uses to explain a measured bubble.
+        stages = pd.concat([r["events"].assign(rank=r["pp"]) for r in results if r["grads"] is not None])
+        rep = replay(stages, sched)
+        span = stages.end.max() - stages.start.min()
+        assert rep.step_time <= span + 1e-6, (case, rep.step_time, span)
     return per_rank
 
 

@@ -364,3 +364,46 @@ def test_simulate_fast_engine_equals_the_reference_dry_run(name):
         got = simulate(s, costs).timeline
         mine = list(zip(got["rank"], got["action"], got["microbatch"], got["chunk"], got["start"], got["end"]))
         assert sorted(mine) == sorted(ref), (name, stages, m)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipev"])
+def test_replay_of_a_timeline_reproduces_it_and_never_beats_a_slower_run(name):
+    # replay() re-runs a schedule with each action's own time from a timeline. Fed a simulated
+    # timeline (uneven costs per rank and a message cost) with the same message cost, it gives that
+    # simulation back exactly; with free messages it is never slower (what the measured bubble beyond
+    # the replay's is: messages and waits).
+    from mlmkit.pipeline import replay
+
+    chunks = _chunks(name)
+    for stages, m in ((2, 4), (4, 8), (3, 6)):
+        if name == "interleaved-1f1b" and m % stages:
+            continue
+        s = make_schedule(name, stages=stages, microbatches=m, chunks=chunks)
+        costs = Costs(forward=[1.0 + 0.3 * r for r in range(stages)], backward=2.5, weight=0.7, p2p_latency=0.4)
+        sim = simulate(s, costs)
+        again = replay(sim.timeline, s, p2p_latency=0.4)
+        assert again.step_time == pytest.approx(sim.step_time) and again.bubble_fraction == pytest.approx(sim.bubble_fraction)
+        assert again.timeline.sort_values(["rank", "start"]).reset_index(drop=True).equals(
+            sim.timeline.sort_values(["rank", "start"]).reset_index(drop=True))
+        free = replay(sim.timeline, s)
+        assert free.step_time < sim.step_time and free.busy_per_rank == pytest.approx(sim.busy_per_rank)
+        # Per-action times, not per-kind: stretching one microbatch's forward on the last rank
+        # stretches the replayed step by exactly what the simulation with that time says.
+        tl = sim.timeline.copy()
+        last = (tl["rank"] == stages - 1) & (tl.action == "F") & (tl.microbatch == m - 1) & (tl.chunk == 0)
+        tl.loc[last, "end"] += 5.0
+        assert replay(tl, s, p2p_latency=0.4).step_time > sim.step_time
+
+
+def test_replay_refuses_a_timeline_that_is_not_one_step_of_the_schedule():
+    from mlmkit.pipeline import replay
+
+    s = make_schedule("1f1b", stages=2, microbatches=4)
+    tl = simulate(s, UNIFORM).timeline
+    with pytest.raises(ValueError, match=r"two rows for \(0, 'F', 0, 0\).*first tp rank of each stage"):
+        replay(tl.iloc[[0] + list(range(len(tl)))], s)
+    with pytest.raises(ValueError, match=r"has 15 compute actions, the schedule 16"):
+        replay(tl.iloc[1:], s)
+    moved = tl.assign(microbatch=tl.microbatch.where(tl.microbatch != 3, 7))
+    with pytest.raises(ValueError, match=r"no measured time for rank 0's F\(mb=3\)"):
+        replay(moved, s)

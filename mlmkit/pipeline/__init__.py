@@ -15,11 +15,11 @@ from mlmkit.pipeline.schedule import (
     make_schedule,
     schedule_from_table,
 )
-from mlmkit.pipeline.simulate import Costs, SimResult, simulate
+from mlmkit.pipeline.simulate import ActionCosts, Costs, SimResult, replay, simulate
 from mlmkit.pipeline.torch_bridge import from_torch, to_torch_csv
 from mlmkit.pipeline.validate import validate
 
 __all__ = [
-    "SCHEDULES", "Action", "Costs", "Schedule", "ScheduleCursor", "ScheduleError", "SimResult", "from_torch",
-    "make_schedule", "schedule_from_table", "simulate", "to_torch_csv", "validate",
+    "SCHEDULES", "Action", "ActionCosts", "Costs", "Schedule", "ScheduleCursor", "ScheduleError", "SimResult", "from_torch",
+    "make_schedule", "replay", "schedule_from_table", "simulate", "to_torch_csv", "validate",
 ]

@@ -19,7 +19,7 @@ from typing import Mapping, Optional, Sequence, Union
 
 from mlmkit.pipeline.schedule import Action, Schedule, ScheduleError
 
-__all__ = ["Costs", "SimResult", "calibrate", "dry_run", "shared_run", "simulate"]
+__all__ = ["ActionCosts", "Costs", "SimResult", "calibrate", "dry_run", "replay", "shared_run", "simulate"]
 
 Number = Union[int, float]
 
@@ -111,6 +111,51 @@ def calibrate(timeline, schedule: Schedule, *, statistic: str = "median", p2p_la
     return Costs(forward=fwd, backward=backward, weight=weight, p2p_latency=p2p_latency)
 
 
+@dataclass(frozen=True, kw_only=True)
+class ActionCosts(Costs):
+    """Each compute action's own time, keyed ``(rank, kind, microbatch, chunk)``: a measured step's
+    durations exactly as they ran (see :func:`replay`), instead of one cost per kind and stage."""
+
+    times: Mapping[tuple, float]
+
+    def duration(self, schedule: Schedule, rank: int, action: Action) -> float:
+        key = (rank, action.kind, action.microbatch, action.chunk)
+        try:
+            return float(self.times[key]) + self.overhead
+        except KeyError:
+            raise ValueError(
+                f"no measured time for rank {rank}'s {action} (key {key}): the timeline must hold every "
+                f"compute action of the schedule, one row each, with ranks numbered as the schedule's "
+                f"pipeline ranks") from None
+
+
+def replay(timeline, schedule: Schedule, *, p2p_latency: float = 0.0) -> "SimResult":
+    """Re-run ``schedule`` with each compute action taking exactly the time it took in a measured
+    ``timeline`` (rows rank, action, microbatch, chunk, start, end; ranks are pipeline ranks), every
+    action starting as soon as its rank is free and its input has arrived (messages cost
+    ``p2p_latency``; 0: free).
+
+    With free messages this is the fastest the measured actions could have run in this order: the
+    measured run obeyed the same order and the same dependencies, plus the time its messages took
+    and any wait for a processor, so its step is never shorter than the replay's (timestamps from one
+    clock: ranks on one machine). The bubble of the replay is what the measured action times explain
+    (unequal stages, actions slowed down while other ranks compute); the measured bubble beyond it
+    is waiting for messages and for cores."""
+    times: dict[tuple, float] = {}
+    for r, kind, mb, chunk, start, end in zip(timeline["rank"], timeline["action"], timeline["microbatch"],
+                                             timeline["chunk"], timeline["start"], timeline["end"]):
+        key = (int(r), str(kind), int(mb), int(chunk))
+        if key in times:
+            raise ValueError(f"replay: the timeline has two rows for {key} (rank, action, microbatch, chunk): "
+                             f"pass one step of one pipeline (e.g. the first tp rank of each stage)")
+        times[key] = float(end) - float(start)
+    expected = sum(1 for acts in schedule.actions for a in acts if a.kind in ("F", "B", "I", "W"))
+    if len(times) != expected:
+        raise ValueError(f"replay: the timeline has {len(times)} compute actions, the schedule {expected}: "
+                         f"pass one step of the pipeline that ran this schedule")
+    return simulate(schedule, ActionCosts(times=times, p2p_latency=p2p_latency))
+
+
 def _message_key(schedule: Schedule, rank: int, a: Action) -> tuple:
     """Identity of the message a comm action sends or expects: (what, microbatch, sending virtual stage)."""
     vs = schedule.virtual_stage(rank, a.chunk)
@@ -124,7 +169,10 @@ def _message_key(schedule: Schedule, rank: int, a: Action) -> tuple:
 
 
 def _durations(schedule: Schedule, costs: Costs):
-    """``duration(rank, action)``: each kind of action's cost per rank and chunk, computed once."""
+    """``duration(rank, action)``: each kind of action's cost per rank and chunk, computed once
+    (per action for :class:`ActionCosts`)."""
+    if isinstance(costs, ActionCosts):
+        return lambda r, a: costs.duration(schedule, r, a)
     cache: dict[tuple, float] = {}
 
     def duration(r: int, a: Action) -> float:

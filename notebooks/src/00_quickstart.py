@@ -77,16 +77,47 @@ bubbles = bubble_table(timeline)
 bubbles
 
 # %% [markdown]
-# Why more idle time than the textbook's 1F1B bubble, `(p - 1) / (m + p - 1)` = 1/5 = 20% here? That
-# formula assumes every stage costs the same and messages are free. Here the last stage also runs the
-# head and the loss, every message through gloo costs a fraction of a millisecond, and 4 ranks share
-# this machine's cores, so a rank that could run often waits for a core. `simulate(..., cores=2)`
-# with calibrated costs reproduces that (notebook 02); on GPUs, one per rank, the measured share
-# comes much closer to the formula.
+# Why more (or less) idle time than the textbook's 1F1B bubble, `(p - 1) / (m + p - 1)` = 1/5 = 20%
+# here? That formula assumes every forward costs the same, every backward costs the same, and
+# messages are free. To split the measured bubble, **replay** this step: run the same schedule again
+# on paper, each action taking exactly the time it took here, each starting as soon as its input
+# exists (messages free). The measured run had the same order and the same dependencies, plus real
+# messages and waits for a core, so it can never be faster than the replay:
+#
+# * formula → replay: the action times themselves. The last stage also runs the head and the loss,
+#   and 4 ranks share this machine's cores, so an action runs slower while other ranks compute.
+# * replay → measured: messages through gloo (a fraction of a millisecond each) and a rank that
+#   could run waiting for a core.
+#
+# On GPUs, one per rank, both gaps shrink and the measured share comes much closer to the formula.
 
 # %%
+import pandas as pd
+from mlmkit.pipeline import make_schedule, replay, simulate
 p, m = config.pp, config.microbatches
-print(f"1F1B formula: {(p - 1) / (m + p - 1):.0%} idle; measured here: {bubbles.idle.sum() / (bubbles.busy.sum() + bubbles.idle.sum()):.0%}")
+schedule = make_schedule(config.schedule, stages=p, microbatches=m)
+topo = config.topology
+# One pipeline: the first tp rank of each stage, numbered by stage (its tp peer runs the same actions).
+stages = timeline[[topo.coords(int(r)).tp == 0 for r in timeline["rank"]]]
+stages = stages.assign(rank=[topo.coords(int(r)).pp for r in stages["rank"]])
+formula = simulate(schedule, {"forward": 1, "backward": 2}).bubble_fraction
+again = replay(stages, schedule)
+span = stages.end.max() - stages.start.min()
+measured_share = 1 - (stages.end - stages.start).sum() / (p * span)
+assert abs(formula - (p - 1) / (m + p - 1)) < 1e-12       # equal costs: the formula, simulated
+assert again.step_time <= span + 1e-6                       # the measured step can only be slower
+pd.DataFrame({"bubble": [formula, again.bubble_fraction, measured_share],
+              "step (ms)": [None, again.step_time * 1e3, span * 1e3]},
+             index=["1F1B formula: equal costs, free messages", "replay: this step's action times, free messages",
+                    "measured"]).style.format({"bubble": "{:.0%}", "step (ms)": "{:.1f}"}, na_rep="")
+
+# %% [markdown]
+# The replay above the measurement, block for block: where a measured block starts later than its
+# replayed twin, the rank waited for a message or a core.
+
+# %%
+from mlmkit.viz import timeline_comparison
+timeline_comparison(again.timeline, stages, title="This step replayed (simulated, free messages) vs measured, one rank per stage")
 
 # %% [markdown]
 # ## Step through a step
