@@ -10,8 +10,9 @@ interleaved 1F1B at p=64, m=512, v=4 (target <= 1 s), wall clock on this machine
 
 Closing the loop on this machine: ``local-cpu`` is calibrated (:func:`mlmkit.distributed.calibrate_local_cpu`,
 4 ranks), then the quickstart model is trained under :data:`LOCAL_LAYOUTS` on 4 CPU ranks
-(:func:`mlmkit.train.time_layouts`: every layout in turn, rounds interleaved, median step) and each
-measured step is set beside the planner's prediction (target: within 15%). The ranking check
+(:func:`mlmkit.train.time_layouts`: every layout in turn, median step) and each measured step is
+set beside the planner's prediction (target: within 15%), three times in a row, calibration and
+measurement in the same window (:func:`local_comparison`). The ranking check
 takes :data:`RANKED`, six layouts chosen before any prediction was made so that their measured
 steps lie at least 1.3x apart (closer ones swap with this machine's noise): the planner must put
 them in the measured order.
@@ -51,24 +52,41 @@ def _time_on_ranks(rank, world_size, configs, steps, rounds):
     return time_layouts(configs, steps=steps, rounds=rounds)
 
 
-def local_comparison(*, quick: bool = False, hw=None):
-    """(DataFrame of predicted and measured step per layout, the calibrated Hardware)."""
+def local_comparison(*, quick: bool = False, hw=None, windows: int = 3):
+    """(DataFrame of predicted and measured step per layout, the last calibrated Hardware).
+
+    ``windows`` times in a row: calibrate ``local-cpu`` (one repeat), then time every layout (one
+    round), so that each prediction and its measurement come from the same stretch of time (a
+    machine shared with others slows down for minutes at a time: a calibration made before such a
+    spell and a measurement made in it would differ by the spell, not by the model). The table
+    gives per layout the median prediction, the median measurement and the median of the paired
+    ratios, and the spread of the measurement over the windows (largest / smallest)."""
+    import statistics
+
     import pandas as pd
 
     from mlmkit.distributed import calibrate_local_cpu, run_ranks
     from mlmkit.plan import Layout, predict
     from mlmkit.train import demo_config
 
-    hw = hw or calibrate_local_cpu(4, quick=quick)
     configs = [demo_config(**kw, tracing=False) for kw in LOCAL_LAYOUTS.values()]
-    measured = run_ranks(_time_on_ranks, world_size=4, args=(configs, 4 if quick else 6, 2 if quick else 3),
-                         timeout_s=1200)[0]
+    windows = 1 if quick or hw is not None else windows
+    preds, meas = [], []
+    for _ in range(windows):
+        hw_i = hw or calibrate_local_cpu(4, quick=quick, repeats=1)
+        meas.append(run_ranks(_time_on_ranks, world_size=4, args=(configs, 4 if quick else 6, 1),
+                              timeout_s=1200)[0])
+        preds.append([predict(c.model, hw_i, Layout.of(c), global_batch_size=c.global_batch_size)["step_time_s"]
+                      for c in configs])
+    med = statistics.median
     rows = []
-    for (name, kw), config, t in zip(LOCAL_LAYOUTS.items(), configs, measured):
-        p = predict(config.model, hw, Layout.of(config), global_batch_size=config.global_batch_size)
-        rows.append({"layout": name, "predicted_s": p["step_time_s"], "measured_s": t,
-                     "ratio": p["step_time_s"] / t})
-    return pd.DataFrame(rows).set_index("layout"), hw
+    for i, name in enumerate(LOCAL_LAYOUTS):
+        p, m = [w[i] for w in preds], [w[i] for w in meas]
+        rows.append({"layout": name, "predicted_s": med(p), "measured_s": med(m),
+                     "ratio": med(a / b for a, b in zip(p, m)), "spread": max(m) / min(m)})
+    frame = pd.DataFrame(rows).set_index("layout")
+    frame.attrs["windows"] = windows
+    return frame, hw_i
 
 
 def _same_order_pairs(pred, meas) -> tuple[int, int]:
@@ -84,7 +102,9 @@ def local_rows(quick: bool = False) -> list[Row]:
     for name, r in frame.iterrows():
         ok = abs(r.ratio - 1) <= 0.15
         rows.append(Row("planner local-cpu vs measured step", f"quickstart, 4 CPU ranks, {name}", r.predicted_s * 1e3,
-                        r.measured_s * 1e3, "ms", "within 15%", ok, note="calibrated local-cpu; measured median step"))
+                        r.measured_s * 1e3, "ms", "within 15%", ok, ratio=r.ratio,
+                        note=f"medians over {frame.attrs['windows']} windows of calibration + measurement; ratio: median of the "
+                             f"paired ratios; measured spread {r.spread:.2f}x"))
     ranked = frame.loc[RANKED]
     same, total = _same_order_pairs(ranked.predicted_s.to_dict(), ranked.measured_s.to_dict())
     order = " < ".join(ranked.sort_values("measured_s").index)
