@@ -116,8 +116,10 @@ def _sweep(tp, pp, cases):
             assert len(r["events"]) == len(sched.compute_actions(r["pp"])), case
         # The measured step is never shorter than its own action times replayed with free messages
         # (same order, same dependencies): what notebook 00 uses to explain a measured bubble.
-        stages = pd.concat([r["events"].assign(rank=r["pp"]) for r in results if r["grads"] is not None])
-        rep = replay(stages, sched)
+        pipeline = Topology(tp=tp, pp=pp).groups("pp")[0]
+        events = pd.concat([r["events"] for r in results])
+        rep = replay(events, sched, ranks=pipeline)
+        stages = events[events["rank"].isin(pipeline)]
         span = stages.end.max() - stages.start.min()
         assert rep.step_time <= span + 1e-6, (case, rep.step_time, span)
     return per_rank

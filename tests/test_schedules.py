@@ -1,5 +1,6 @@
 """Schedules as data: known bubble results, validation of broken hand-written schedules, bad configs."""
 
+import pandas as pd
 import pytest
 
 from mlmkit.pipeline import (
@@ -404,6 +405,11 @@ def test_replay_refuses_a_timeline_that_is_not_one_step_of_the_schedule():
         replay(tl.iloc[[0] + list(range(len(tl)))], s)
     with pytest.raises(ValueError, match=r"has 15 compute actions, the schedule 16"):
         replay(tl.iloc[1:], s)
+    with pytest.raises(ValueError, match=r"ranks=\[0, 2, 4\] name 3 stages, the schedule has 2"):
+        replay(tl, s, ranks=[0, 2, 4])
+    # Global ranks of one pipeline (tp=2: ranks 1 and 3), the other pipeline's rows left out.
+    both = pd.concat([tl.assign(rank=tl["rank"] * 2 + 1), tl.assign(rank=tl["rank"] * 2, end=tl.end + 9.0)])
+    assert replay(both, s, ranks=[1, 3]).step_time == pytest.approx(simulate(s, UNIFORM).step_time)
     moved = tl.assign(microbatch=tl.microbatch.where(tl.microbatch != 3, 7))
     with pytest.raises(ValueError, match=r"no measured time for rank 0's F\(mb=3\)"):
         replay(moved, s)

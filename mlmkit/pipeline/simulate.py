@@ -129,11 +129,15 @@ class ActionCosts(Costs):
                 f"pipeline ranks") from None
 
 
-def replay(timeline, schedule: Schedule, *, p2p_latency: float = 0.0) -> "SimResult":
+def replay(timeline, schedule: Schedule, *, ranks: Optional[Sequence[int]] = None,
+           p2p_latency: float = 0.0) -> "SimResult":
     """Re-run ``schedule`` with each compute action taking exactly the time it took in a measured
-    ``timeline`` (rows rank, action, microbatch, chunk, start, end; ranks are pipeline ranks), every
-    action starting as soon as its rank is free and its input has arrived (messages cost
-    ``p2p_latency``; 0: free).
+    ``timeline`` (rows rank, action, microbatch, chunk, start, end), every action starting as soon
+    as its rank is free and its input has arrived (messages cost ``p2p_latency``; 0: free).
+
+    ``ranks``: the global ranks of one pipeline, stage by stage (``topology.groups("pp")[0]``): the
+    timeline's rows of other ranks are left out and these are numbered as pipeline ranks 0..p-1.
+    ``None``: the timeline's ranks already are pipeline ranks.
 
     With free messages this is the fastest the measured actions could have run in this order: the
     measured run obeyed the same order and the same dependencies, plus the time its messages took
@@ -141,6 +145,14 @@ def replay(timeline, schedule: Schedule, *, p2p_latency: float = 0.0) -> "SimRes
     clock: ranks on one machine). The bubble of the replay is what the measured action times explain
     (unequal stages, actions slowed down while other ranks compute); the measured bubble beyond it
     is waiting for messages and for cores."""
+    if ranks is not None:
+        ranks = [int(r) for r in ranks]
+        if len(ranks) != schedule.stages:
+            raise ValueError(f"replay: ranks={ranks} name {len(ranks)} stages, the schedule has {schedule.stages}: "
+                             f"pass one pipeline's ranks, stage by stage (topology.groups('pp')[0])")
+        stage_of = {r: s for s, r in enumerate(ranks)}
+        timeline = timeline[timeline["rank"].isin(ranks)]
+        timeline = timeline.assign(rank=timeline["rank"].map(stage_of))
     times: dict[tuple, float] = {}
     for r, kind, mb, chunk, start, end in zip(timeline["rank"], timeline["action"], timeline["microbatch"],
                                              timeline["chunk"], timeline["start"], timeline["end"]):

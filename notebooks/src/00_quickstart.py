@@ -96,12 +96,10 @@ import pandas as pd
 from mlmkit.pipeline import make_schedule, replay, simulate
 p, m = config.pp, config.microbatches
 schedule = make_schedule(config.schedule, stages=p, microbatches=m)
-topo = config.topology
-# One pipeline: the first tp rank of each stage, numbered by stage (its tp peer runs the same actions).
-stages = timeline[[topo.coords(int(r)).tp == 0 for r in timeline["rank"]]]
-stages = stages.assign(rank=[topo.coords(int(r)).pp for r in stages["rank"]])
+pipeline = config.topology.groups("pp")[0]      # one pipeline's ranks, stage by stage (its tp peers do the same)
+stages = timeline[timeline["rank"].isin(pipeline)].assign(rank=lambda t: t["rank"].map(pipeline.index))
 formula = simulate(schedule, {"forward": 1, "backward": 2}).bubble_fraction
-again = replay(stages, schedule)
+again = replay(timeline, schedule, ranks=pipeline)
 span = stages.end.max() - stages.start.min()
 measured_share = 1 - (stages.end - stages.start).sum() / (p * span)
 assert abs(formula - (p - 1) / (m + p - 1)) < 1e-12       # equal costs: the formula, simulated
