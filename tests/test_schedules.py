@@ -410,6 +410,17 @@ def test_replay_refuses_a_timeline_that_is_not_one_step_of_the_schedule():
     # Global ranks of one pipeline (tp=2: ranks 1 and 3), the other pipeline's rows left out.
     both = pd.concat([tl.assign(rank=tl["rank"] * 2 + 1), tl.assign(rank=tl["rank"] * 2, end=tl.end + 9.0)])
     assert replay(both, s, ranks=[1, 3]).step_time == pytest.approx(simulate(s, UNIFORM).step_time)
+    # A pipeline's ranks given in the wrong order, or another schedule's timeline: refused by name
+    # (every key exists on both ranks, so it would otherwise replay with the wrong times).
+    with pytest.raises(ValueError, match=r"pipeline rank 0's compute action #1 in the timeline is \('B', 0, 0\), "
+                                         r"the schedule's is \('F', 1, 0\)"):
+        replay(both, s, ranks=[3, 1])
+    gpipe = simulate(make_schedule("gpipe", stages=2, microbatches=4), UNIFORM).timeline
+    with pytest.raises(ValueError, match=r"pipeline rank 0's compute action #2"):
+        replay(gpipe, s)
     moved = tl.assign(microbatch=tl.microbatch.where(tl.microbatch != 3, 7))
-    with pytest.raises(ValueError, match=r"no measured time for rank 0's F\(mb=3\)"):
+    with pytest.raises(ValueError, match=r"compute action #5 in the timeline is \('F', 7, 0\), the schedule's is \('F', 3, 0\)"):
         replay(moved, s)
+    from mlmkit.pipeline import ActionCosts
+    with pytest.raises(ValueError, match=r"no measured time for rank 0's F\(mb=1\) \(key \(0, 'F', 1, 0\)\)"):
+        simulate(s, ActionCosts(times={(0, "F", 0, 0): 1.0}))

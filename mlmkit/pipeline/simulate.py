@@ -137,7 +137,8 @@ def replay(timeline, schedule: Schedule, *, ranks: Optional[Sequence[int]] = Non
 
     ``ranks``: the global ranks of one pipeline, stage by stage (``topology.groups("pp")[0]``): the
     timeline's rows of other ranks are left out and these are numbered as pipeline ranks 0..p-1.
-    ``None``: the timeline's ranks already are pipeline ranks.
+    ``None``: the timeline's ranks already are pipeline ranks. Raises ``ValueError`` unless the
+    timeline holds each compute action of the schedule once, on each rank in the schedule's order.
 
     With free messages this is the fastest the measured actions could have run in this order: the
     measured run obeyed the same order and the same dependencies, plus the time its messages took
@@ -165,6 +166,19 @@ def replay(timeline, schedule: Schedule, *, ranks: Optional[Sequence[int]] = Non
     if len(times) != expected:
         raise ValueError(f"replay: the timeline has {len(times)} compute actions, the schedule {expected}: "
                          f"pass one step of the pipeline that ran this schedule")
+    # Each rank must have run its actions in the schedule's order: a timeline of another schedule,
+    # or ranks given in the wrong order, would otherwise replay silently with the wrong times.
+    ran = timeline.sort_values("start")
+    for r in range(schedule.stages):
+        mine = ran[ran["rank"] == r]
+        got = [(str(k), int(mb), int(c)) for k, mb, c in zip(mine["action"], mine["microbatch"], mine["chunk"])]
+        want = [(a.kind, a.microbatch, a.chunk) for a in schedule.actions[r] if a.kind in ("F", "B", "I", "W")]
+        if got != want:
+            i = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), min(len(got), len(want)))
+            raise ValueError(
+                f"replay: pipeline rank {r}'s compute action #{i} in the timeline is "
+                f"{got[i] if i < len(got) else 'missing'}, the schedule's is {want[i] if i < len(want) else 'none'} "
+                f"(kind, microbatch, chunk): pass the timeline of a step of this schedule, with ranks stage by stage")
     return simulate(schedule, ActionCosts(times=times, p2p_latency=p2p_latency))
 
 
