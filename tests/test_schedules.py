@@ -418,9 +418,27 @@ def test_replay_refuses_a_timeline_that_is_not_one_step_of_the_schedule():
     gpipe = simulate(make_schedule("gpipe", stages=2, microbatches=4), UNIFORM).timeline
     with pytest.raises(ValueError, match=r"pipeline rank 0's compute action #2"):
         replay(gpipe, s)
+    # Without ranks=, a tp peer's rows would pass for another stage's: refused, with the fix.
+    with pytest.raises(ValueError, match=r"replay: the timeline has rows of rank\(s\) \[2, 3\].*pass ranks="):
+        replay(both, s)
     moved = tl.assign(microbatch=tl.microbatch.where(tl.microbatch != 3, 7))
     with pytest.raises(ValueError, match=r"compute action #5 in the timeline is \('F', 7, 0\), the schedule's is \('F', 3, 0\)"):
         replay(moved, s)
     from mlmkit.pipeline import ActionCosts
     with pytest.raises(ValueError, match=r"no measured time for rank 0's F\(mb=1\) \(key \(0, 'F', 1, 0\)\)"):
         simulate(s, ActionCosts(times={(0, "F", 0, 0): 1.0}))
+
+
+def test_calibrate_takes_one_pipeline_and_refuses_other_ranks():
+    # A tp=2 trace has 4 ranks for 2 stages: rank 1 is stage 0's tp peer, not stage 1. calibrate()
+    # once read it as stage 1 and silently priced stage 1 with stage 0's times.
+    from mlmkit.pipeline.simulate import calibrate
+
+    s = make_schedule("1f1b", stages=2, microbatches=4)
+    tl = simulate(s, Costs(forward=[1.0, 3.0], backward=[2.0, 5.0])).timeline
+    four = pd.concat([tl.assign(rank=tl["rank"] * 2), tl.assign(rank=tl["rank"] * 2 + 1)])   # tp=2 x pp=2 ranks
+    with pytest.raises(ValueError, match=r"calibrate: the timeline has rows of rank\(s\) \[2, 3\]"):
+        calibrate(four, s)
+    costs = calibrate(four, s, ranks=[0, 2])
+    assert costs.forward == [1.0, 3.0] and costs.backward == [2.0, 5.0]
+    assert calibrate(tl, s).forward == [1.0, 3.0]

@@ -85,13 +85,37 @@ class Costs:
         return self.p2p_latency + (self.message_bytes / bw if bw else 0.0)
 
 
-def calibrate(timeline, schedule: Schedule, *, statistic: str = "median", p2p_latency: float = 0.0) -> Costs:
+def _pipeline_rows(timeline, schedule: Schedule, ranks: Optional[Sequence[int]], who: str):
+    """The rows of one pipeline, numbered by stage: with ``ranks`` (its global ranks, stage by
+    stage) the other rows are left out; without, every rank must already be a pipeline rank (a
+    tensor- or data-parallel peer's rows would otherwise pass for another stage's)."""
+    if ranks is None:
+        extra = sorted({int(r) for r in timeline["rank"]} - set(range(schedule.stages)))
+        if extra:
+            raise ValueError(f"{who}: the timeline has rows of rank(s) {extra}, the schedule {schedule.stages} "
+                             f"pipeline ranks: pass ranks= one pipeline's global ranks, stage by stage "
+                             f"(topology.groups('pp')[0])")
+        return timeline
+    ranks = [int(r) for r in ranks]
+    if len(ranks) != schedule.stages:
+        raise ValueError(f"{who}: ranks={ranks} name {len(ranks)} stages, the schedule has {schedule.stages}: "
+                         f"pass one pipeline's ranks, stage by stage (topology.groups('pp')[0])")
+    stage_of = {r: s for s, r in enumerate(ranks)}
+    timeline = timeline[timeline["rank"].isin(ranks)]
+    return timeline.assign(rank=timeline["rank"].map(stage_of))
+
+
+def calibrate(timeline, schedule: Schedule, *, ranks: Optional[Sequence[int]] = None, statistic: str = "median",
+              p2p_latency: float = 0.0) -> Costs:
     """:class:`Costs` per virtual stage from a measured timeline (rows rank, action, chunk, start,
     end: a trace's ``events`` or a :func:`simulate` timeline). ``forward`` from F, ``backward``
     from I (or from B minus ``weight`` when the timeline has no split backward), ``weight`` from W.
-    ``statistic``: "median", "mean" or "min" of each action's durations."""
+    ``statistic``: "median", "mean" or "min" of each action's durations. ``ranks``: as for
+    :func:`replay` (one pipeline's global ranks, stage by stage; ``None``: the timeline's ranks
+    are pipeline ranks)."""
     import pandas as pd  # noqa: F401  (timeline is a DataFrame)
 
+    timeline = _pipeline_rows(timeline, schedule, ranks, "calibrate")
     tl = timeline.assign(d=timeline.end - timeline.start)
     tl = tl.assign(vs=[schedule.virtual_stage(int(r), int(c)) for r, c in zip(tl["rank"], tl["chunk"])])
     stat = {"median": "median", "mean": "mean", "min": "min"}[statistic]
@@ -146,14 +170,7 @@ def replay(timeline, schedule: Schedule, *, ranks: Optional[Sequence[int]] = Non
     clock: ranks on one machine). The bubble of the replay is what the measured action times explain
     (unequal stages, actions slowed down while other ranks compute); the measured bubble beyond it
     is waiting for messages and for cores."""
-    if ranks is not None:
-        ranks = [int(r) for r in ranks]
-        if len(ranks) != schedule.stages:
-            raise ValueError(f"replay: ranks={ranks} name {len(ranks)} stages, the schedule has {schedule.stages}: "
-                             f"pass one pipeline's ranks, stage by stage (topology.groups('pp')[0])")
-        stage_of = {r: s for s, r in enumerate(ranks)}
-        timeline = timeline[timeline["rank"].isin(ranks)]
-        timeline = timeline.assign(rank=timeline["rank"].map(stage_of))
+    timeline = _pipeline_rows(timeline, schedule, ranks, "replay")
     times: dict[tuple, float] = {}
     for r, kind, mb, chunk, start, end in zip(timeline["rank"], timeline["action"], timeline["microbatch"],
                                              timeline["chunk"], timeline["start"], timeline["end"]):
