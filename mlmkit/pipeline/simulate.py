@@ -179,7 +179,7 @@ def replay(timeline, schedule: Schedule, *, ranks: Optional[Sequence[int]] = Non
             raise ValueError(f"replay: the timeline has two rows for {key} (rank, action, microbatch, chunk): "
                              f"pass one step of one pipeline (e.g. the first tp rank of each stage)")
         times[key] = float(end) - float(start)
-    expected = sum(1 for acts in schedule.actions for a in acts if a.kind in ("F", "B", "I", "W"))
+    expected = sum(len(schedule.compute_actions(r)) for r in range(schedule.stages))
     if len(times) != expected:
         raise ValueError(f"replay: the timeline has {len(times)} compute actions, the schedule {expected}: "
                          f"pass one step of the pipeline that ran this schedule")
@@ -189,7 +189,7 @@ def replay(timeline, schedule: Schedule, *, ranks: Optional[Sequence[int]] = Non
     for r in range(schedule.stages):
         mine = ran[ran["rank"] == r]
         got = [(str(k), int(mb), int(c)) for k, mb, c in zip(mine["action"], mine["microbatch"], mine["chunk"])]
-        want = [(a.kind, a.microbatch, a.chunk) for a in schedule.actions[r] if a.kind in ("F", "B", "I", "W")]
+        want = [(a.kind, a.microbatch, a.chunk) for a in schedule.compute_actions(r)]
         if got != want:
             i = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), min(len(got), len(want)))
             raise ValueError(
