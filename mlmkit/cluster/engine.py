@@ -72,6 +72,7 @@ class EngineState:
         import torch
 
         from mlmkit.distributed import default_backend, default_device
+        from mlmkit.distributed.host_memory import keep_freed_memory
 
         self.rank, self.world_size, self.topology = rank, world_size, topology
         self.local_rank, self.timeout_s = local_rank, timeout_s
@@ -82,6 +83,7 @@ class EngineState:
             torch.cuda.set_device(self.device)
         else:
             torch.set_num_threads(max(1, threads))
+            keep_freed_memory()
         if driver_pid and self._watchdog is None:
             self._watchdog = threading.Thread(target=_watch_driver, args=(driver_pid, driver_ctime), daemon=True)
             self._watchdog.start()

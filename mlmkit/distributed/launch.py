@@ -79,9 +79,12 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kw
             import torch
             import torch.distributed as dist
 
+            from mlmkit.distributed.host_memory import keep_freed_memory
             from mlmkit.distributed.process_groups import init_distributed
 
             torch.set_num_threads(threads)
+            if not torch.cuda.is_available():
+                keep_freed_memory()
             os.environ["LOCAL_RANK"] = str(rank)
             init_distributed(rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}",
                              backend=backend, timeout_s=collective_timeout_s)

@@ -113,6 +113,7 @@ def main(argv=None) -> int:
     import torch
 
     from mlmkit.distributed import ProcessGroups, init_distributed
+    from mlmkit.distributed.host_memory import keep_freed_memory
     from mlmkit.train.checkpoint import load_checkpoint, save_checkpoint
     from mlmkit.train.trainer import Trainer
 
@@ -140,6 +141,7 @@ def main(argv=None) -> int:
             init_distributed(rank=rank, world_size=world, init_method=f"tcp://{job.master_addr}:{job.master_port}")
         if not torch.cuda.is_available():
             torch.set_num_threads(job.cpus_per_task or max(1, (os.cpu_count() or 1) // job.local_world_size))
+            keep_freed_memory()
         groups = ProcessGroups.build(cfg.topology)
     trainer = Trainer(cfg, groups=groups)
     if args.load:
