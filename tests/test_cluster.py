@@ -59,6 +59,19 @@ def test_ranks_display_and_run(cluster):
     assert view.pull("answer", block=True) == [0, 100, 200, 300]
 
 
+def _page_faults_per_step(r):
+    from tests.test_distributed import _page_faults_per_step
+    return _page_faults_per_step()
+
+
+@pytest.mark.skipif(os.uname().sysname != "Linux", reason="glibc's allocator (Linux)")
+def test_engines_keep_freed_host_memory_between_steps(cluster):
+    # As ranks of run_ranks (tests/test_distributed.py, with the control): a CPU engine reuses its
+    # heap across steps instead of faulting the same pages in again every step.
+    faults = cluster.run(_page_faults_per_step, ranks=[0])[0]
+    assert faults <= 20, f"{faults:.0f} page faults per step on engine 0 (the heap was given back?)"
+
+
 @pytest.mark.parametrize("batch_p2p", [False, True], ids=["tagged", "batched"])
 def test_stepping_action_by_action_equals_whole_steps(cluster, batch_p2p):
     # Batched: the lockstep rounds of the batch plan (a batch and its peers' counterparts together).
