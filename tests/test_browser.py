@@ -138,9 +138,33 @@ def _drive_lab(sync_playwright, url, token, workdir):
             explorer.scroll_into_view_if_needed()
             page.screenshot(path=str(ARTIFACTS / "quickstart_lab.png"), full_page=False)
             assert (workdir / "reports" / "quickstart_summary.json").exists()
+        except Exception as exc:
+            # Say what the notebook was doing: a wait that times out says nothing about why.
+            page.screenshot(path=str(ARTIFACTS / "quickstart_lab_failed.png"))
+            raise AssertionError(f"{type(exc).__name__}: {str(exc)[:400]}\n{_explain(page, workdir)}") from exc
         finally:
             page.screenshot(path=str(ARTIFACTS / "quickstart_lab_last.png"))
             browser.close()
+
+
+def _explain(page, workdir) -> str:
+    """The notebook's state when the test failed: each cell's prompt with the start of its source,
+    error outputs, and the end of JupyterLab's log (screenshot: artifacts/quickstart_lab_failed.png)."""
+    try:
+        cells = page.evaluate("""() => Array.from(document.querySelectorAll('.jp-Notebook .jp-Cell')).map(c => {
+            const p = c.querySelector('.jp-InputArea-prompt'), src = c.querySelector('.jp-InputArea-editor');
+            return (p ? p.textContent.trim() : '') + ' ' + (src ? src.textContent.trim().slice(0, 60) : ''); })""")
+        errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']").all_inner_texts()
+    except Exception as exc:  # noqa: BLE001 - the page itself may be gone
+        cells, errors = [f"(page unreadable: {exc})"], []
+    done = [c for c in cells if c[:2] == "[" + c[1:2] and c[1:2].isdigit()]
+    waiting = [c for c in cells if c.startswith("[*]")]
+    log = workdir / "lab.log"
+    tail = log.read_text()[-2000:] if log.exists() else ""
+    return (f"{len(done)} cells ran, the last: " + (done[-1] if done else "none")
+            + "\nrunning, then queued (prompt, source):\n  " + "\n  ".join(waiting[:3])
+            + "\nerror outputs:\n  " + "\n  ".join(e[-800:] for e in errors[-3:])
+            + "\nJupyterLab log (end):\n" + tail)
 
 
 def _text(locator) -> str:
