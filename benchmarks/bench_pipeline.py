@@ -158,7 +158,8 @@ def _rank(rank, world_size, name, m, reps, versus, windows):
         step_ours(), step_theirs()
     out = []
     for _ in range(windows):
-        cpu["ours"].clear(), cpu["theirs"].clear()
+        for times in cpu.values():
+            times.clear()
         t_ours, t_theirs = alternate(step_ours, step_theirs, reps, warmup=0)
         c_ours, c_theirs = list(cpu["ours"]), list(cpu["theirs"])
         costs = measure_costs(schedule, ours_models, groups, tokens[:MB], targets[:MB])

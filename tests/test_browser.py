@@ -5,6 +5,7 @@ moved slider, an invalid setting shows its message below the controls, the stepp
 (artifacts/quickstart_lab.png)."""
 
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -157,7 +158,7 @@ def _explain(page, workdir) -> str:
         errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']").all_inner_texts()
     except Exception as exc:  # noqa: BLE001 - the page itself may be gone
         cells, errors = [f"(page unreadable: {exc})"], []
-    done = [c for c in cells if c[:2] == "[" + c[1:2] and c[1:2].isdigit()]
+    done = [c for c in cells if re.match(r"\[\d+\]", c)]
     waiting = [c for c in cells if c.startswith("[*]")]
     log = workdir / "lab.log"
     tail = log.read_text()[-2000:] if log.exists() else ""
@@ -198,8 +199,6 @@ def _use_the_widgets(page) -> None:
     # The stepping widget: "whole step" runs one more step of the real 4-rank session.
     step = page.locator(".jp-OutputArea-output button", has_text="whole step").first
     step.scroll_into_view_if_needed()
-    import re
-
     texts = page.evaluate("() => Array.from(document.querySelectorAll('.widget-html')).map(e => e.textContent)")
     found = [m for m in (re.search(r"steps done:\s*(\d+)", t) for t in texts) if m]
     assert found, [t[:80] for t in texts]
