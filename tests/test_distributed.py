@@ -1,6 +1,7 @@
 """The multi-rank harness (errors and hangs never pass silently) and per-rank process groups."""
 
 import os
+import re
 import time
 
 import pytest
@@ -177,3 +178,16 @@ def test_cpu_ranks_keep_freed_host_memory_between_steps():
     assert ours <= 20, f"{ours:.0f} page faults per step in a rank of run_ranks (the heap was given back?)"
     assert plain > 5 * max(ours, 1.0), (f"control: {plain:.0f} page faults per step without keep_freed_memory vs "
                                         f"{ours:.0f} with it; the check would not see a missing setting")
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(trim_threshold=0), "trim_threshold=0"),
+    (dict(mmap_threshold=-1), "mmap_threshold=-1"),
+    (dict(trim_threshold=True), "trim_threshold=True"),
+    (dict(mmap_threshold=1.5), "mmap_threshold=1.5"),
+])
+def test_keep_freed_memory_refuses_bad_thresholds(kwargs, needle):
+    from mlmkit.distributed import keep_freed_memory
+
+    with pytest.raises(ValueError, match=re.escape(needle) + ".*positive number of bytes"):
+        keep_freed_memory(**kwargs)
