@@ -2,6 +2,9 @@
 
 Start: ``Cluster.start()`` (engines + torch.distributed + process groups) against plain
 ipyparallel ``Cluster.start_and_connect_sync()`` with the same engines (alternated).
+Shutdown: ``Cluster.shutdown()`` (process groups dropped, engines then controller stopped, every
+process gone) against ipyparallel's ``stop_cluster_sync()`` on its own engines, timed until every
+process of that cluster (controller, engines, their nannies) has exited.
 Round trip: ``Cluster.run`` of a function that does nothing on all 4 ranks (what every stepped
 action pays on top of its compute), against ipyparallel's own ``apply_sync`` on the same engines;
 target: mlmkit's round trip at most 50 ms.
@@ -15,16 +18,33 @@ import time
 from benchmarks.common import Row, median, paired
 from mlmkit import Topology
 from mlmkit.cluster import Cluster
+from mlmkit.cluster.cluster import alive
 
 
 def _noop(*_args):
     return None
 
 
+def _process_tree(pid=None) -> list[int]:
+    """``pid`` (default: this process) and its descendants."""
+    import os
+
+    import psutil
+
+    pid = os.getpid() if pid is None else pid
+    return [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
+
+
+def _until_gone(pids, limit_s: float = 20.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def run(quick: bool = False) -> list[Row]:
     import ipyparallel as ipp
 
-    starts_ours, starts_plain = [], []
+    starts_ours, starts_plain, stops_ours, stops_plain = [], [], [], []
     for _ in range(1 if quick else 2):
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory() as d:
@@ -32,7 +52,13 @@ def run(quick: bool = False) -> list[Row]:
             rc = c.start_and_connect_sync(n=4)
             rc.wait_for_engines(4)
             starts_plain.append(time.perf_counter() - t0)
+            pids = [p for tree in rc[:].apply_sync(_process_tree) for p in tree]
+            pids += _process_tree(c.controller.process.pid)
+            rc.close()
+            t0 = time.perf_counter()
             c.stop_cluster_sync()
+            _until_gone(pids)
+            stops_plain.append(time.perf_counter() - t0)
         cluster = Cluster(topology=Topology(tp=2, pp=2))
         t0 = time.perf_counter()
         cluster.start()
@@ -47,11 +73,18 @@ def run(quick: bool = False) -> list[Row]:
             t0 = time.perf_counter()
             view.apply_sync(_noop)
             plain.append(time.perf_counter() - t0)
+        pids = cluster.pids()
+        t0 = time.perf_counter()
         cluster.shutdown()
+        _until_gone(pids)
+        stops_ours.append(time.perf_counter() - t0)
     o, b, ratio = paired(ours, plain)
     return [
         Row("cluster start (4 engines, gloo groups)", "Cluster.start vs ipyparallel start_and_connect",
             median(starts_ours), median(starts_plain), "s", "n/a (reported)", None),
+        Row("cluster shutdown (4 engines), until every process exited",
+            "Cluster.shutdown vs ipyparallel stop_cluster", median(stops_ours), median(stops_plain), "s",
+            "n/a (reported)", None),
         Row("stepped-call round trip (4 engines)", "Cluster.run(no-op) vs view.apply_sync(no-op)",
             o * 1e3, b * 1e3, "ms", "mlmkit <= 50 ms", o * 1e3 <= 50, ratio=ratio),
     ]

@@ -412,7 +412,8 @@ class Cluster:
         self.engine_ids = [eid for eid, _ in order]
         self.info = [inf for _, inf in order]
         for inf in self.info:
-            self._all_pids.update([inf["pid"], *inf["children"]])
+            if inf["host"] == self._hostname:     # a pid of another host names nothing here
+                self._all_pids.update([inf["pid"], *inf["children"]])
         self.view = self.client[self.engine_ids]
         self.view.block = False
         self._setup_ranks(range(self.world_size))
@@ -508,7 +509,8 @@ class Cluster:
             return []
         if self.client is not None and self.engine_ids:
             try:
-                ars = [self.client[e].apply_async(remote.shutdown, _ref()) for e in self.engine_ids
+                ars = [self.client[e].apply_async(remote.shutdown, _ref(), exit_on_term=not self._attached)
+                       for e in self.engine_ids
                        if e in self.client.ids]
                 for ar in ars:
                     ar.wait(timeout=5)
@@ -521,11 +523,18 @@ class Cluster:
             self._attached = False
             return []
         pids = self.pids()
+        if self.client is not None:
+            self.client.close()
+        # Engines first, then the controller: when its engine exits, each engine's nanny says so to
+        # the controller and, if the controller is gone already, lingers 3 s on the unsent message.
         try:
-            if self.client is not None:
-                self.client.close()
-            self.ipp_cluster.stop_cluster_sync()
+            self.ipp_cluster.stop_engines_sync()
         except Exception:  # noqa: BLE001 - e.g. a batch job that was never submitted: nothing to cancel
+            pass
+        _reap(self._all_pids, wait_s=3.0, kill=False)
+        try:
+            self.ipp_cluster.stop_controller_sync()
+        except Exception:  # noqa: BLE001 - stopped anyway below
             pass
         # Stopped (or found nothing to stop) here: ipyparallel must not try again at exit or on
         # garbage collection (a second traceback, and a profile folder written anew).
@@ -768,7 +777,8 @@ class Cluster:
         for r, eid, inf in zip(ranks, new, infos):
             self.engine_ids[r] = eid
             self.info[r] = inf
-            self._all_pids.update([inf["pid"], *inf["children"]])
+            if inf["host"] == self._hostname:
+                self._all_pids.update([inf["pid"], *inf["children"]])
         self.view = self.client[self.engine_ids]
         self.view.block = False
         if self._profile_dir:
@@ -892,8 +902,9 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-def _reap(pids, *, wait_s: float) -> list[int]:
-    """Wait up to ``wait_s`` for ``pids`` to exit, then SIGKILL the rest; return the killed ones."""
+def _reap(pids, *, wait_s: float, kill: bool = True) -> list[int]:
+    """Wait up to ``wait_s`` for ``pids`` to exit, then SIGKILL the rest (``kill``); return the
+    killed ones."""
     import psutil
 
     deadline = time.monotonic() + wait_s
@@ -902,7 +913,7 @@ def _reap(pids, *, wait_s: float) -> list[int]:
         time.sleep(0.1)
         alive = [p for p in alive if _running(p)]
     killed = []
-    for p in alive:
+    for p in alive if kill else ():
         try:
             proc = psutil.Process(p)
             if proc.status() != psutil.STATUS_ZOMBIE:
