@@ -2,6 +2,7 @@
 published results it must come close to, the command line, bad input."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -92,6 +93,9 @@ def test_custom_hardware_is_validated():
     for field, value in (("runtime", "torchtitan"), ("precision", "fp8"), ("cores", 0)):
         with pytest.raises(ValueError, match=f"{field}="):
             Hardware(**base, **{field: value})
+    for bad in ((("all_reduce", 1.0),), (("all_gather", 0.0),)):
+        with pytest.raises(ValueError, match=r"collective_factor \('all_"):
+            Hardware(**base, collective_factor=bad)
 
 
 def test_calibration_refuses_a_single_rank_before_starting_anything():
@@ -156,6 +160,12 @@ def test_local_cpu_hardware_from_measurements():
     assert hw.collective_time("all_reduce", 4e6, 1, 2e9) == 0.0
     assert hw.message_latency(2) == 4e-3 and hw.message_latency(4) == 2e-3 and hw.message_latency(8) == 2e-3
     assert "us per operator" in hw.source and "resident per rank" in hw.source
+    # measured all-gather / reduce-scatter factors replace the ring's half (gloo here: 0.6-1.2)
+    measured = _local(collective_factor={"all_gather": 0.8, "reduce_scatter": 1.1})
+    assert measured.collective_time("all_gather", 0, 2, 1e9, gap=2e-4) == pytest.approx(0.8e-3)
+    assert measured.collective_time("reduce_scatter", 4e6, 4, 2e9, gap=0.0) == pytest.approx(1.1 * 4e-3 + 0.75 * 4e6 / 2e9)
+    assert measured.collective_time("all_reduce", 0, 4, 1e9, gap=0.0) == pytest.approx(4e-3)
+    assert "all_gather 0.80x" in measured.source and "reduce_scatter 1.10x" in measured.source
     with pytest.raises(ValueError, match="calibrate_local_cpu"):
         hardware("local-cpu")
 
@@ -235,6 +245,7 @@ def test_cli_plans_on_a_calibrated_local_cpu():
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     assert len(rows) == 3 and all(r["tp"] * r["pp"] * r["dp"] == 2 and r["step_time_s"] > 0 for r in rows)
     assert "measured on this machine for 2 ranks" in out.stderr and "n=2" in out.stderr and "p=2" in out.stderr
+    assert re.search(r"all_gather \d+\.\d\dx of that; reduce_scatter \d+\.\d\dx of that", out.stderr), out.stderr
 
 
 def test_planning_code_imports_no_torch():

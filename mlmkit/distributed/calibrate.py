@@ -21,6 +21,9 @@ the cluster run them; or uses a cluster's engines) and measures, in about 30 s (
   operating system's scheduling is most of it, and it grows with the gap (a member that worked
   may have lost its core and waits for a time slice): 4 ranks on 2 cores, milliseconds, not
   microseconds;
+- **all-gather and reduce-scatter** (ZeRO, sequence parallelism) over all ranks, after the same
+  gaps: their latency as a fraction of the all-reduce's (``collective_factor``; a ring's theory
+  says half, gloo here takes 0.6-1.0);
 - **bandwidth**: a 4 MiB all-reduce over all ranks, its latency taken off;
 - **message latency per pipeline depth**: groups of ``p`` ranks run a synthetic 1F1B step (chain
   work as forwards and backwards, 16-float messages); the latency at which
@@ -42,6 +45,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from mlmkit.distributed.comm_group import _all_gather_single, _reduce_scatter_single
 from mlmkit.distributed.launch import run_ranks
 
 __all__ = ["calibrate_local_cpu", "count_ops"]
@@ -173,7 +177,7 @@ def _rank(rank: int, world_size: int, quick: bool) -> dict:
     small = torch.ones(16)
     # collectives of every group size, all groups at once, each after a gap of work: the time per
     # round beyond the same work run on every rank at once without collectives (cores shared)
-    latency = {}
+    latency, other = {}, {"all_gather": {}, "reduce_scatter": {}}
     for n in [k for k in range(2, world_size + 1) if world_size % k == 0]:
         groups = [dist.new_group(list(range(g, g + n))) for g in range(0, world_size, n)]
         mine = groups[rank // n]
@@ -184,7 +188,16 @@ def _rank(rank: int, world_size: int, quick: bool) -> dict:
             dist.barrier()
             both = _window(lambda: (w(), dist.all_reduce(small, group=mine)), its)
             latency[(n, k)] = max(0.0, both - shared)
+            if n == world_size:
+                # all-gather and reduce-scatter (ZeRO, sequence parallelism) against that all-reduce
+                for op, call in ((
+                        "all_gather", lambda: _all_gather_single(torch.empty(16 * n), small)), (
+                        "reduce_scatter", lambda: _reduce_scatter_single(small, torch.ones(16 * n)))):
+                    dist.barrier()
+                    other[op][k] = max(0.0, _window(lambda: (w(), call()), its) - shared)
     out["latency"] = latency
+    ar = sum(latency[(world_size, k)] for k in GAPS)
+    out["collective_factor"] = {op: sum(t.values()) / ar for op, t in other.items()} if ar > 0 else {}
     big = torch.ones(2**20)           # 4 MiB
     dist.barrier()
     t_big = _median_time(lambda: dist.all_reduce(big), 3 if quick else 7)
@@ -298,4 +311,6 @@ def calibrate_local_cpu(ranks: int = 4, *, quick: bool = False, repeats: Optiona
                      op_overhead_s=med(r["op_s"] for r in r0s), recompute_overhead_s=med(r["recompute_s"] for r in r0s),
                      collective_latency=latency, bandwidth=med(r["bandwidth"] for r in r0s), p2p_latency=p2p,
                      cores=cores, memory_bytes=psutil.virtual_memory().total / ranks,
-                     framework_bytes=max(r["rss"] for r in r0s), ranks=ranks)
+                     framework_bytes=max(r["rss"] for r in r0s), ranks=ranks,
+                     collective_factor={op: med(statistics.mean(r["collective_factor"][op] for r in run) for run in runs)
+                                        for op in r0s[0]["collective_factor"]})

@@ -45,6 +45,9 @@ class Hardware:
     recompute_overhead_s: float = 0.0   # host time of one recomputed region beyond its operators
     # measured ((group size, gap s, latency s), ...): a small all-reduce after `gap` seconds of work
     collective_latency: tuple = ()
+    # measured ((op, factor), ...): an all-gather's or reduce-scatter's latency over an all-reduce's
+    # in the same group after the same work; default 0.5 (half the ring steps). gloo: about 0.6-1.0
+    collective_factor: tuple = ()
     p2p_latency: tuple = ()       # measured ((pipeline stages, latency s), ...) of one message; default latency_s
     cores: Optional[float] = None  # processors the ranks share; None: one per rank
     framework_bytes: float = 2 * GiB   # per rank beyond the model: CUDA context, NCCL, workspaces (GPUs)
@@ -62,6 +65,10 @@ class Hardware:
             raise ValueError(f"Hardware {self.name!r}: runtime={self.runtime!r}; expected 'megatron' or 'mlmkit'")
         if self.precision not in ("bf16", "fp32"):
             raise ValueError(f"Hardware {self.name!r}: precision={self.precision!r}; expected 'bf16' or 'fp32'")
+        for op, factor in self.collective_factor:
+            if op not in ("all_gather", "reduce_scatter") or not factor > 0:
+                raise ValueError(f"Hardware {self.name!r}: collective_factor ({op!r}, {factor!r}): expected "
+                                 f"'all_gather' or 'reduce_scatter' with a factor > 0")
         if self.cores is not None and not self.cores > 0:
             raise ValueError(f"Hardware {self.name!r}: cores={self.cores!r} must be > 0 or None")
 
@@ -73,8 +80,8 @@ class Hardware:
         """Seconds of one ring collective (``all_reduce``, ``all_gather``, ``reduce_scatter``) of
         ``nbytes`` over ``n`` ranks at ``bw`` after ``gap`` seconds of work: the measured latency
         of an ``n``-rank group (``collective_latency``, interpolated in the gap; an all-gather or
-        reduce-scatter takes half an all-reduce's ring steps) when there is one, else
-        ``latency_s`` per ring step."""
+        reduce-scatter takes ``collective_factor`` of it, measured, or half: half the ring steps)
+        when there is one, else ``latency_s`` per ring step."""
         if n <= 1:
             return 0.0
         steps = 2 * (n - 1) if op == "all_reduce" else n - 1
@@ -84,7 +91,7 @@ class Hardware:
             near = min(sizes, key=lambda k: abs(k - n))
             curve = [(g, t) for k, g, t in self.collective_latency if k == near]
             latency = _interpolate(curve, gap) * (n - 1) / (near - 1)   # another size: scaled by ring steps
-            latency *= 1.0 if op == "all_reduce" else 0.5
+            latency *= 1.0 if op == "all_reduce" else dict(self.collective_factor).get(op, 0.5)
         else:
             latency = steps * self.latency_s
         return share * nbytes / bw + latency
@@ -145,7 +152,7 @@ GPUS: dict[str, Hardware] = {h.name: h for h in [
 
 def local_cpu(*, gflops_by_width: dict, op_overhead_s: float, recompute_overhead_s: float, collective_latency: dict,
               bandwidth: float, p2p_latency: dict, cores: float, memory_bytes: float, framework_bytes: float,
-              ranks: int) -> Hardware:
+              ranks: int, collective_factor: Optional[dict] = None) -> Hardware:
     """The ``local-cpu`` :class:`Hardware` from a calibration's measurements (see
     :func:`mlmkit.distributed.calibrate_local_cpu`, which measures and calls this): the peak and
     ``half_width`` fitted to the matmul throughput per width (least squares over a grid of
@@ -165,12 +172,13 @@ def local_cpu(*, gflops_by_width: dict, op_overhead_s: float, recompute_overhead
         latency_s=p2p_latency[min(p2p_latency)], efficiency=1.0, half_width=half, runtime="mlmkit",
         precision="fp32", op_overhead_s=op_overhead_s, recompute_overhead_s=recompute_overhead_s,
         collective_latency=tuple(sorted((n, g, t) for (n, g), t in collective_latency.items())),
-        p2p_latency=tuple(sorted(p2p_latency.items())), cores=cores, framework_bytes=framework_bytes,
+        collective_factor=tuple(sorted((collective_factor or {}).items())), p2p_latency=tuple(sorted(p2p_latency.items())), cores=cores, framework_bytes=framework_bytes,
         source=f"measured on this machine for {ranks} ranks by mlmkit.distributed.calibrate_local_cpu: fp32 matmul "
                f"{', '.join(f'w={w}: {gflops_by_width[w]:.0f}' for w in widths)} GFLOP/s; "
                f"{op_overhead_s * 1e6:.1f} us per operator; {recompute_overhead_s * 1e6:.0f} us per recomputed "
                f"region; all-reduce latency (group size, after a gap of work) "
                f"{', '.join(f'n={n} {g * 1e3:.2f} ms: {t * 1e3:.2f} ms' for (n, g), t in sorted(collective_latency.items()))}; "
+               f"{''.join(f'{op} {f:.2f}x of that; ' for op, f in sorted((collective_factor or {}).items()))}"
                f"{bandwidth / 1e9:.2f} GB/s; message latency in a 1F1B pipeline "
                f"{', '.join(f'p={p}: {t * 1e3:.2f} ms' for p, t in sorted(p2p_latency.items()))}; "
                f"{cores} cores; {framework_bytes / 2**20:.0f} MiB resident per rank before any model")
