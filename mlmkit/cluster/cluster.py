@@ -557,7 +557,8 @@ class Cluster:
         self.shutdown()
 
     def pids(self) -> set[int]:
-        """Every process of this cluster: engines, their nannies, the controller and its schedulers."""
+        """Every process of this cluster on this host: engines, their nannies, the controller and its
+        schedulers (engines on other nodes of a batch job are their job's to stop)."""
         pids = set(self._all_pids)
         ctrl = getattr(self.ipp_cluster, "controller", None) if self.ipp_cluster else None
         if ctrl is not None and getattr(ctrl, "process", None) is not None:
