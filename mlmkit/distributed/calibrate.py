@@ -23,7 +23,7 @@ the cluster run them; or uses a cluster's engines) and measures, in about 30 s (
   microseconds;
 - **all-gather and reduce-scatter** (ZeRO, sequence parallelism) over all ranks, after the same
   gaps: their latency as a fraction of the all-reduce's (``collective_factor``; a ring's theory
-  says half, gloo here takes 0.6-1.0);
+  says half, gloo here takes 0.8-1.2);
 - **bandwidth**: a 4 MiB all-reduce over all ranks, its latency taken off;
 - **message latency per pipeline depth**: groups of ``p`` ranks run a synthetic 1F1B step (chain
   work as forwards and backwards, 16-float messages); the latency at which
@@ -174,7 +174,7 @@ def _rank(rank: int, world_size: int, quick: bool) -> dict:
     out["recompute_s"] = _alone(rank, lambda: _recompute_seconds(out["op_s"]))
     works = {k: _chain(k) for k in sorted({*GAPS, PIPE_WORK, 2 * PIPE_WORK})}
     out["gap_s"] = {k: _alone(rank, lambda w=w: _median_time(w, 20)) for k, w in works.items()}
-    small = torch.ones(16)
+    small, gathered = torch.ones(16), torch.ones(16 * world_size)
     # collectives of every group size, all groups at once, each after a gap of work: the time per
     # round beyond the same work run on every rank at once without collectives (cores shared)
     latency, other = {}, {"all_gather": {}, "reduce_scatter": {}}
@@ -190,9 +190,9 @@ def _rank(rank: int, world_size: int, quick: bool) -> dict:
             latency[(n, k)] = max(0.0, both - shared)
             if n == world_size:
                 # all-gather and reduce-scatter (ZeRO, sequence parallelism) against that all-reduce
-                for op, call in ((
-                        "all_gather", lambda: _all_gather_single(torch.empty(16 * n), small)), (
-                        "reduce_scatter", lambda: _reduce_scatter_single(small, torch.ones(16 * n)))):
+                calls = {"all_gather": lambda: _all_gather_single(gathered, small),
+                         "reduce_scatter": lambda: _reduce_scatter_single(small, gathered)}
+                for op, call in calls.items():
                     dist.barrier()
                     other[op][k] = max(0.0, _window(lambda: (w(), call()), its) - shared)
     out["latency"] = latency

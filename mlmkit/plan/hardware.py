@@ -46,7 +46,7 @@ class Hardware:
     # measured ((group size, gap s, latency s), ...): a small all-reduce after `gap` seconds of work
     collective_latency: tuple = ()
     # measured ((op, factor), ...): an all-gather's or reduce-scatter's latency over an all-reduce's
-    # in the same group after the same work; default 0.5 (half the ring steps). gloo: about 0.6-1.0
+    # in the same group after the same work; default 0.5 (half the ring steps). gloo here: 0.8-1.2
     collective_factor: tuple = ()
     p2p_latency: tuple = ()       # measured ((pipeline stages, latency s), ...) of one message; default latency_s
     cores: Optional[float] = None  # processors the ranks share; None: one per rank
@@ -172,7 +172,8 @@ def local_cpu(*, gflops_by_width: dict, op_overhead_s: float, recompute_overhead
         latency_s=p2p_latency[min(p2p_latency)], efficiency=1.0, half_width=half, runtime="mlmkit",
         precision="fp32", op_overhead_s=op_overhead_s, recompute_overhead_s=recompute_overhead_s,
         collective_latency=tuple(sorted((n, g, t) for (n, g), t in collective_latency.items())),
-        collective_factor=tuple(sorted((collective_factor or {}).items())), p2p_latency=tuple(sorted(p2p_latency.items())), cores=cores, framework_bytes=framework_bytes,
+        collective_factor=tuple(sorted((collective_factor or {}).items())),
+        p2p_latency=tuple(sorted(p2p_latency.items())), cores=cores, framework_bytes=framework_bytes,
         source=f"measured on this machine for {ranks} ranks by mlmkit.distributed.calibrate_local_cpu: fp32 matmul "
                f"{', '.join(f'w={w}: {gflops_by_width[w]:.0f}' for w in widths)} GFLOP/s; "
                f"{op_overhead_s * 1e6:.1f} us per operator; {recompute_overhead_s * 1e6:.0f} us per recomputed "
