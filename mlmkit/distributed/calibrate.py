@@ -23,7 +23,7 @@ the cluster run them; or uses a cluster's engines) and measures, in about 30 s (
   microseconds;
 - **all-gather and reduce-scatter** (ZeRO, sequence parallelism) over all ranks, after the same
   gaps: their latency as a fraction of the all-reduce's (``collective_factor``; a ring's theory
-  says half, gloo here takes 0.8-1.2);
+  says half, gloo here takes 0.75-1.2);
 - **bandwidth**: a 4 MiB all-reduce over all ranks, its latency taken off;
 - **message latency per pipeline depth**: groups of ``p`` ranks run a synthetic 1F1B step (chain
   work as forwards and backwards, 16-float messages); the latency at which

@@ -46,7 +46,7 @@ class Hardware:
     # measured ((group size, gap s, latency s), ...): a small all-reduce after `gap` seconds of work
     collective_latency: tuple = ()
     # measured ((op, factor), ...): an all-gather's or reduce-scatter's latency over an all-reduce's
-    # in the same group after the same work; default 0.5 (half the ring steps). gloo here: 0.8-1.2
+    # in the same group after the same work; default 0.5 (half the ring steps). gloo here: 0.75-1.2
     collective_factor: tuple = ()
     p2p_latency: tuple = ()       # measured ((pipeline stages, latency s), ...) of one message; default latency_s
     cores: Optional[float] = None  # processors the ranks share; None: one per rank
