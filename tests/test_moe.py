@@ -103,9 +103,10 @@ _SERIAL = {}
 
 
 def _serial(cfg: TrainConfig, starve: bool = False) -> dict:
-    key = json.dumps(cfg.model.to_dict(), sort_keys=True) + cfg.precision + str(starve)
+    key = json.dumps(cfg.model.to_dict(), sort_keys=True) + cfg.precision + str(starve) + str(cfg.global_batch_size)
     if key not in _SERIAL:
-        _SERIAL[key] = _train(0, 1, _config(cfg.model, precision=cfg.precision).to_dict(), starve)
+        _SERIAL[key] = _train(0, 1, _config(cfg.model, precision=cfg.precision,
+                                            global_batch_size=cfg.global_batch_size).to_dict(), starve)
     return _SERIAL[key]
 
 
@@ -114,9 +115,9 @@ def _close(a, b, precision, tol) -> bool:
 
 
 # ------------------------------------------------------------------------------- dropless parity
-# ep 2 and 4, ep x tp (sequence parallel), ep x pp with several schedules, ep x cp, expert tensor
-# parallelism, ZeRO-1, recomputation, both p2p paths, the auxiliary losses, sigmoid routing with a
-# shared expert, Switch (top-1), GELU experts with biases, bf16.
+# ep 2 and 4, ep x tp (sequence parallel), ep x pp with several schedules (dualpipev included), ep x
+# cp, expert tensor parallelism, ZeRO-1, recomputation, both p2p paths, the auxiliary losses, sigmoid
+# routing with a shared expert, Switch (top-1), GELU experts with biases, bf16.
 AUX = {"moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001}
 LAYOUTS = {
     "ep2-dp2": dict(dp=2, ep=2),
@@ -125,6 +126,8 @@ LAYOUTS = {
     "ep2-pp2-dp2-1f1b-batched": dict(pp=2, dp=2, ep=2, batch_p2p=True),
     "ep2-pp2-dp2-zbh1": dict(pp=2, dp=2, ep=2, schedule="zb-h1"),
     "ep2-pp2-dp2-interleaved": dict(pp=2, dp=2, ep=2, schedule="interleaved-1f1b", chunks=2, model={"layers": 4}),
+    "ep2-pp2-dp2-dualpipev-aux": dict(pp=2, dp=2, ep=2, schedule="dualpipev", chunks=2, global_batch_size=16,
+                                      model={"layers": 4, **AUX}),
     "ep4-cp2-dp2": dict(cp=2, dp=2, ep=4),
     "expert_tp2-tp2-sp-gelu-bias-shared": dict(tp=2, expert_tp=2, sequence_parallel=True,
                                                model={"mlp": "gelu", "bias": True, "moe_shared_ffn_hidden": 32}),

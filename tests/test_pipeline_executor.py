@@ -63,10 +63,15 @@ def _run_case(groups, tracer, case):
         loss = ex.loss
     else:
         loss = ex.run_step(tokens, targets)
+    # A gradient is a plain tensor: one that carried an autograd graph (a deferred weight gradient
+    # computed with grad mode on) would keep that graph, and the activations under it, alive.
+    with_graph = [n for chunk in model_chunks for n, p in chunk.named_parameters()
+                  if p.grad is not None and (p.grad.requires_grad or p.grad.grad_fn is not None)]
     grads = {}
     for chunk in model_chunks:
         grads.update(gather_full(chunk, grads=True))
     return {"loss": loss, "grads": grads if groups.coords.tp == 0 else None, "states": states,
+            "with_graph": with_graph,
             "events": tracer.event_frame(), "pp": groups.coords.pp, "batched": ex.batch_p2p,
             "comm": tracer.comm_frame()}
 
@@ -107,6 +112,7 @@ def _sweep(tp, pp, cases):
         except AssertionError as err:
             raise AssertionError(f"case {case}: {err}") from None
         assert all(r["batched"] == batch_p2p for r in results)
+        assert not any(r["with_graph"] for r in results), (case, [r["with_graph"] for r in results])
         # Every compute action of the schedule ran exactly once and was traced.
         group = None
         if name == "interleaved-1f1b" and m % pp:

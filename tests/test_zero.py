@@ -47,9 +47,10 @@ _SERIAL = {}
 
 
 def _serial(cfg: TrainConfig) -> dict:
-    key = (cfg.model, cfg.precision)
+    key = (cfg.model, cfg.precision, cfg.global_batch_size)
     if key not in _SERIAL:
-        _SERIAL[key] = _train(0, 1, _config(cfg.model, precision=cfg.precision).to_dict())
+        _SERIAL[key] = _train(0, 1, _config(cfg.model, precision=cfg.precision,
+                                            global_batch_size=cfg.global_batch_size).to_dict())
     return _SERIAL[key]
 
 
@@ -64,6 +65,9 @@ LAYOUTS = {
     "zero3-dp2-pp2-interleaved-batched": dict(zero=3, dp=2, pp=2, schedule="interleaved-1f1b", chunks=2,
                                               batch_p2p=True),
     "zero3-dp2-pp2-zbh1-keep": dict(zero=3, dp=2, pp=2, schedule="zb-h1", reshard_after_forward=False),
+    "zero3-dp2-pp2-zbv": dict(zero=3, dp=2, pp=2, schedule="zb-v", chunks=2),
+    "zero3-dp2-pp2-dualpipev-prefetch": dict(zero=3, dp=2, pp=2, schedule="dualpipev", chunks=2, prefetch=1,
+                                             global_batch_size=16),
     "zero3-dp2-full-recompute-prefetch": dict(zero=3, dp=2, recompute="full", prefetch=1),
     "zero3-llama-cp2-dp2-selective": dict(model=LLAMA, zero=3, cp=2, dp=2, recompute="selective"),
     "zero3-llama-dp2-tp2-sp-bf16": dict(model=LLAMA, zero=3, dp=2, tp=2, sequence_parallel=True, precision="bf16"),
@@ -92,7 +96,8 @@ def test_sharded_layout_matches_serial(layout):
         got = params[name]
         if bf16:
             # As in tests/test_llama.py: within 2% or twice bf16's own error (serial bf16 vs serial fp32).
-            own = (want.double() - _serial(_config(cfg.model))["params"][name].double()).norm()
+            fp32 = _serial(_config(cfg.model, global_batch_size=cfg.global_batch_size))
+            own = (want.double() - fp32["params"][name].double()).norm()
             err = (got.double() - want.double()).norm()
             assert err <= max(BF16_PARAM_RTOL * want.double().norm(), 2 * own), (layout, name, float(err))
         else:
