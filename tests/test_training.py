@@ -174,6 +174,30 @@ def test_checkpoint_reshards_to_other_layouts(tmp_path):
         assert name in state or name == "head_weight"
 
 
+# V placement (zb-v, dualpipev: rank 0 holds the first and the last virtual stage), loop placement
+# with chunks, and sharded optimizer states: each checkpoint resumes in one process and at pp=4 x 1f1b.
+V_SOURCES = {
+    "pp2-dualpipev": dict(pp=2, schedule="dualpipev", chunks=2),
+    "zero3-dp2-pp2-zbv": dict(zero=3, dp=2, pp=2, schedule="zb-v", chunks=2),
+    "cp2-pp2-interleaved-zero1": dict(cp=2, pp=2, schedule="interleaved-1f1b", chunks=2, zero1=True),
+}
+
+
+@pytest.mark.parametrize("source", list(V_SOURCES))
+def test_checkpoint_of_chunked_pipelines_reshards(source, tmp_path):
+    directory = str(tmp_path / "ckpt")
+    saved = BASE.replace(**V_SOURCES[source])
+    uninterrupted = run_ranks(_save_at_3_then_continue, world_size=saved.world_size,
+                              args=(saved.to_dict(), directory))[0]
+    sharded = {"zero1": saved.zero1, "zero": saved.zero}
+    serial = Trainer(BASE.replace(**sharded), groups=ProcessGroups.single())
+    assert load_checkpoint(serial, directory) == 3
+    resumed_serial = [serial.train_step()["loss"] for _ in range(2)]
+    resumed_pp4 = run_ranks(_resume, world_size=4, args=(BASE.replace(pp=4, **sharded).to_dict(), directory))[0]
+    for resumed in (resumed_serial, resumed_pp4):
+        assert _close(resumed, uninterrupted, 1e-5), (source, resumed, uninterrupted)
+
+
 def _crash_between_shards(rank, world_size, cfg_dict, directory):
     cfg = TrainConfig.from_dict(cfg_dict)
     trainer = Trainer(cfg, groups=ProcessGroups.build(cfg.topology))
