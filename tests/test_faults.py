@@ -40,7 +40,7 @@ class Harness:
         self.session = cluster.session(cfg)
 
     def ref_loss(self, step: int) -> float:
-        assert step < REF_STEPS, "raise REF_STEPS: the faulty session went further than the reference"
+        assert step < len(self.ref_losses), "raise ref_steps: the faulty session went further than the reference"
         return self.ref_losses[step]
 
     def engine_pids(self) -> list[int]:
@@ -110,7 +110,7 @@ def _inject(state, sid, point, kind):
 
 def _points(rank, cfg=CFG):
     pp = cfg.topology.coords(rank).pp
-    n = len(make_schedule(cfg.schedule, stages=cfg.pp, microbatches=cfg.microbatches).actions[pp])
+    n = len(make_schedule(cfg.schedule, stages=cfg.pp, microbatches=cfg.microbatches, chunks=cfg.chunks).actions[pp])
     return list(range(n)) + ["finalize", "optimizer"]
 
 
@@ -261,10 +261,12 @@ def test_state_lost_is_said_never_silent(harness):
     harness.check_next_step()                # the other session recovered its own last step
 
 
-# ZeRO-3: a failure while layers are gathered (or a gradient half reduced) must leave the next step
-# exact: the abandoned step's gathered parameters and partial shards are dropped on every rank.
+# ZeRO-3 under a zero-bubble V schedule: a failure while layers are gathered (or a gradient half
+# reduced, or weight-gradient work queued between I and W) must leave the next step exact: the
+# abandoned step's gathered parameters, partial shards and queued W work are dropped on every rank.
 ZERO3_CFG = TrainConfig(model=GPTConfig(vocab_size=256, seq_len=16, hidden=32, heads=4, layers=4), pp=2, dp=2,
-                        zero=3, prefetch=1, micro_batch_size=2, global_batch_size=8, max_steps=200)
+                        zero=3, prefetch=1, schedule="zb-v", chunks=2, micro_batch_size=2, global_batch_size=8,
+                        max_steps=200)
 ZERO3_SWEEP = [(rank, point) for rank in (1, 2) for point in _points(rank, ZERO3_CFG)]
 
 
