@@ -301,8 +301,10 @@ def sync_replicated_grads(module: nn.Module, tp: CommGroup) -> None:
     (the input gradient needs nothing more: f's all-reduce already sums every rank's share). One
     all-reduce over TP of a buffer with one slot per distinct shard (the others are zero).
     """
+    if tp.size == 1:
+        return
     params = [p for p in module.parameters() if getattr(p, "tp_replicas", 1) > 1 and param_grad(p) is not None]
-    if tp.size == 1 or not params:
+    if not params:
         return
     slots = [tp.size // p.tp_replicas for p in params]
     flat = torch.zeros(sum(n * p.numel() for n, p in zip(slots, params)), dtype=param_grad(params[0]).dtype,
