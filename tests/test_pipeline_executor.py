@@ -10,6 +10,7 @@ from mlmkit.model import GPT, gather_full, tiny_config
 from mlmkit.pipeline import Action, ScheduleError, make_schedule, replay
 from mlmkit.pipeline.executor import PipelineExecutor, build_model_chunks
 from mlmkit.trace import Tracer
+from mlmkit.trace.memory import MemoryTracker
 
 CFG = tiny_config(layers=8, hidden=32, heads=4, seq_len=8)
 MB_SIZE = 2
@@ -226,3 +227,64 @@ def test_more_stages_than_layers_fails_before_any_process():
         make_schedule("interleaved-1f1b", stages=4, microbatches=4, chunks=2, layers=4)
     with pytest.raises(ValueError, match="8 pipeline stages .* only layers=4"):
         tiny_config(layers=4).check_parallel(pp=4, chunks=2)
+
+
+# ------------------------------------------------------------------------------- memory held in a step
+def _untracked(groups, name, m, chunks, batch_p2p):
+    """The most bytes alive on this rank during a step beyond what MemoryTracker counts."""
+    from live_bytes import LiveBytes
+
+    schedule = make_schedule(name, stages=groups.topology.pp, microbatches=m, chunks=chunks)
+    models = build_model_chunks(CFG, groups=groups, chunks=chunks, placement=schedule.placement,
+                                split_backward=schedule.split_backward)
+    params = [p for model in models for p in model.parameters()]
+    memory = MemoryTracker(rank=groups.rank, params=params)
+    ex = PipelineExecutor(schedule=schedule, chunks=models, groups=groups, memory=memory, batch_p2p=batch_p2p)
+    tokens, targets = _data(m)
+    ex.run_step(tokens, targets)             # gradients exist from here on, as in training
+    live, worst, rows = LiveBytes(), 0, len(memory.rows)
+    for p in params:
+        live.add(p)
+        live.add(p.grad)
+    live.ignore(tokens)                      # the batch: the step's input, not what it holds
+    live.ignore(targets)
+    with live:
+        ex.start_step(tokens, targets)
+        while not ex.done:
+            ex.step_action()
+            if len(memory.rows) > rows:          # a compute action ended: compare
+                rows = len(memory.rows)
+                _, _, _, _, _, params_b, grads_b, opt_b, acts_b, *_ = memory.rows[-1]
+                worst = max(worst, live.bytes - (params_b + grads_b + opt_b + acts_b))
+        ex.finalize()
+    return worst
+
+
+def _untracked_sweep(rank, world_size, cases):
+    groups = ProcessGroups.build(Topology(pp=world_size))
+    return [_untracked(groups, *case) for case in cases]
+
+
+MEMORY_SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zb-h1": 1, "zb-v": 2, "dualpipev": 2}
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_memory_beyond_the_tracker_does_not_grow_with_microbatches(pp):
+    # What a rank holds beyond the tracker's count (the stage outputs kept for backward, received
+    # tensors not yet consumed, sends in flight) is bounded by the schedule's microbatches in
+    # flight, not by m: measured independently (tests/live_bytes.py) at m = 2p and m = 4p, both
+    # communication paths. A sent tensor kept until the end of the step, or a weight gradient that
+    # keeps an autograd graph, grows with m. GPipe holds every microbatch's output until its
+    # backward: the control that the measurement sees such growth.
+    message = CFG.seq_len * MB_SIZE * CFG.hidden * 4                      # one activation, bytes
+    cases = [(name, m, chunks, batched) for name, chunks in MEMORY_SCHEDULES.items()
+             for batched in (False, True) for m in (2 * pp, 4 * pp)]
+    per_rank = run_ranks(_untracked_sweep, world_size=pp, args=(cases,), timeout_s=300)
+    worst = {case: max(r[i] for r in per_rank) for i, case in enumerate(cases)}
+    for name, chunks in MEMORY_SCHEDULES.items():
+        for batched in (False, True):
+            few, many = worst[name, 2 * pp, chunks, batched], worst[name, 4 * pp, chunks, batched]
+            if name == "gpipe":
+                assert many >= few + 2 * pp * message - message // 4, (name, batched, few, many)
+            else:
+                assert many <= few + message // 4, (name, batched, few // message, many // message)

@@ -211,6 +211,7 @@ class PipelineExecutor:
         self.per_token_loss, self.ignore_index = per_token_loss, ignore_index
         self.plan: Optional[BatchPlan] = plan_batches(schedule) if self.batch_p2p else None
         self._steps: tuple[Step, ...] = self.plan.steps[self.pp_rank] if self.plan is not None else ()
+        self._sends_done_by = self._plan_send_release() if not self.batch_p2p else {}
         self.index = len(self.actions)  # actions done in this step (all: no step in progress)
         self._step_pos = len(self._steps)
         self.last_step: Optional[str] = None
@@ -220,7 +221,7 @@ class PipelineExecutor:
     def _reset(self) -> None:
         self._held: dict[tuple[int, int], _Held] = {}
         self._recv: dict[tuple[str, int, int], tuple[torch.Tensor, object, float]] = {}
-        self._sends: list[tuple[object, torch.Tensor]] = []    # posted isends, waited at step end
+        self._sends: dict[tuple, tuple[object, torch.Tensor]] = {}   # posted isends not yet waited for
         self._losses: list[torch.Tensor] = []
         self._inbox: dict[tuple, torch.Tensor] = {}   # received tensors not yet consumed
         self._pending: list = []                      # works of a batch being waited for
@@ -369,9 +370,9 @@ class PipelineExecutor:
                          next_action=nxt, held=held, loss=self.loss if self.done else None)
 
     # ---------------------------------------------------------------------- communication
-    def _key(self, a: Action) -> tuple[str, int, int]:
+    def _key(self, a: Action, pp_rank: Optional[int] = None) -> tuple[str, int, int]:
         # (what, microbatch, sending virtual stage): the identity of the message.
-        vs = self.schedule.virtual_stage(self.pp_rank, a.chunk)
+        vs = self.schedule.virtual_stage(self.pp_rank if pp_rank is None else pp_rank, a.chunk)
         return {
             "SEND_ACT": ("act", a.microbatch, vs), "RECV_ACT": ("act", a.microbatch, vs - 1),
             "SEND_GRAD": ("grad", a.microbatch, vs), "RECV_GRAD": ("grad", a.microbatch, vs + 1),
@@ -429,6 +430,34 @@ class PipelineExecutor:
         work.wait()
         self._trace_p2p("recv", a, buf, t0)
         self._inbox[("act" if a.kind == "RECV_ACT" else "grad", a.microbatch, a.chunk)] = buf
+        for sent in self._sends_done_by.get(key, ()):    # known delivered: free the sent tensors now
+            work, _ = self._sends.pop(sent, (None, None))
+            if work is not None:
+                work.wait()                               # returns at once: the peer has received it
+
+    def _plan_send_release(self) -> dict[tuple, list[tuple]]:
+        """For each message this rank receives, the messages it sent that are surely delivered by then.
+
+        A sent tensor must stay alive until its send completes; gloo's send works report completion
+        only in ``wait()``, so without this every tensor sent in a step (a stage's output and input
+        gradient per microbatch) would be held until :meth:`finalize`, and the memory of 1F1B would
+        grow with the number of microbatches. The schedule says when a send has completed: if the
+        peer, after its receive of our message, sends us a message, then by the time that message
+        arrives ours was received, and waiting for our send returns at once. Sends with no such
+        reply in the step (the first stage's last input gradients) are waited for in finalize."""
+        sched, me = self.schedule, self.pp_rank
+        done_by: dict[tuple, list[tuple]] = {}
+        for a in self.actions:
+            if a.kind not in ("SEND_ACT", "SEND_GRAD"):
+                continue
+            key = self._key(a)
+            theirs = sched.actions[a.peer]
+            got = next(i for i, b in enumerate(theirs)
+                       if b.kind.startswith("RECV") and self._key(b, a.peer) == key)
+            reply = next((b for b in theirs[got + 1:] if b.kind.startswith("SEND") and b.peer == me), None)
+            if reply is not None:
+                done_by.setdefault(self._key(reply, a.peer), []).append(key)
+        return done_by
 
     def _take_send_tensor(self, a: Action) -> torch.Tensor:
         h = self._held[(a.microbatch, a.chunk)]
@@ -443,8 +472,9 @@ class PipelineExecutor:
 
     def _send(self, a: Action) -> None:
         tensor = self._take_send_tensor(a)
-        work = dist.isend(tensor, dst=self._peer(a), group=self.groups.pp.pg, tag=self._tag(self._key(a)))
-        self._sends.append((work, tensor))
+        key = self._key(a)
+        work = dist.isend(tensor, dst=self._peer(a), group=self.groups.pp.pg, tag=self._tag(key))
+        self._sends[key] = (work, tensor)
 
     def _trace_p2p(self, op: str, a: Action, tensor: torch.Tensor, t0: float) -> None:
         tr = self.tracer
@@ -548,7 +578,7 @@ class PipelineExecutor:
         if self._finalized:
             return
         self._finalized = True
-        for work, _ in self._sends:
+        for work, _ in self._sends.values():
             work.wait()
         self._sends.clear()
         self._held.clear()
