@@ -448,18 +448,23 @@ class PipelineExecutor:
         peer, after its receive of our message, sends us a message, then by the time that message
         arrives ours was received, and waiting for our send returns at once. Sends with no such
         reply in the step (the first stage's last input gradients) are waited for in finalize."""
-        sched, me = self.schedule, self.pp_rank
+        me = self.pp_rank
+        peers = {a.peer for a in self.actions if a.kind.startswith("SEND")}
+        received_at, replies = {}, {}     # per peer: index of its receive of each message; its sends to us
+        for q in peers:
+            theirs = self.schedule.actions[q]
+            received_at[q] = {self._key(b, q): i for i, b in enumerate(theirs) if b.kind.startswith("RECV")}
+            replies[q] = [(i, self._key(b, q)) for i, b in enumerate(theirs)
+                          if b.kind.startswith("SEND") and b.peer == me]
         done_by: dict[tuple, list[tuple]] = {}
         for a in self.actions:
-            if a.kind not in ("SEND_ACT", "SEND_GRAD"):
+            if not a.kind.startswith("SEND"):
                 continue
             key = self._key(a)
-            theirs = sched.actions[a.peer]
-            got = next(i for i, b in enumerate(theirs)
-                       if b.kind.startswith("RECV") and self._key(b, a.peer) == key)
-            reply = next((b for b in theirs[got + 1:] if b.kind.startswith("SEND") and b.peer == me), None)
+            got = received_at[a.peer][key]
+            reply = next((k for i, k in replies[a.peer] if i > got), None)
             if reply is not None:
-                done_by.setdefault(self._key(reply, a.peer), []).append(key)
+                done_by.setdefault(reply, []).append(key)
         return done_by
 
     def _take_send_tensor(self, a: Action) -> torch.Tensor:

@@ -70,16 +70,13 @@ class WeightGradStore:
         work, self._queue = self._queue, []
         return work
 
+    @torch.no_grad()
     def run(self, work: list[tuple]) -> None:
         """W: ``dA = dY^T X`` and ``db = sum(dY)`` for each queued layer, accumulated.
 
         Runs outside autograd's backward, so grad mode is off explicitly: ``X`` is an activation
         that requires grad, and with grad mode on every GEMM here would record a graph and the
         gradient would keep it (and the activations under it) alive until it is cleared."""
-        with torch.no_grad():
-            self._run(work)
-
-    def _run(self, work: list[tuple]) -> None:
         for weight, bias, x, dy2, token in work:                      # dy2: [tokens, out]
             x2 = x.reshape(-1, x.shape[-1])                          # [tokens, in]
             if weight.grad is not None and not getattr(weight, "mixed_precision", False):
