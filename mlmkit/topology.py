@@ -104,6 +104,11 @@ class Topology:
         dp: data-parallel degree (model replicas that see different data).
         ep: expert-parallel degree (ranks that split the experts of a mixture-of-experts layer).
         expert_tp: tensor-parallel degree inside each expert.
+        experts: the model has mixture-of-experts layers, so the expert grid's groups exist even at
+            ``ep = expert_tp = 1`` (then ``expert-dp`` is all ``tp * cp * dp`` ranks of a stage:
+            every one holds every expert and computes its gradients on its own tokens). Set by
+            itself when ``ep`` or ``expert_tp`` is above 1; ``TrainConfig.topology`` sets it from
+            the model.
 
     Example::
 
@@ -120,10 +125,15 @@ class Topology:
     cp: int = 1
     ep: int = 1
     expert_tp: int = 1
+    experts: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "cp", "dp", "pp", "ep", "expert_tp"):
             _check_degree(name, getattr(self, name))
+        if not isinstance(self.experts, bool):
+            raise ValueError(f"Topology: experts={self.experts!r} must be True or False")
+        if self.ep > 1 or self.expert_tp > 1:
+            object.__setattr__(self, "experts", True)
         dense = self.tp * self.cp * self.dp
         if dense % (self.expert_tp * self.ep):
             fits = [e for e in range(1, dense + 1) if dense % (e * self.expert_tp) == 0]
@@ -236,7 +246,7 @@ class Topology:
         import pandas as pd
 
         kinds = ["tp", "cp", "dp", "pp"] + (["dp-cp"] if self.cp > 1 else [])
-        expert = self.ep > 1 or self.expert_tp > 1
+        expert = self.experts
         if expert:
             kinds += ["ep", "expert-tp", "expert-dp"]
         members = {k: {r: g for g in self.groups(k) for r in g} for k in kinds}
@@ -273,6 +283,8 @@ class Topology:
         parts = [f"tp={self.tp}"] + ([f"cp={self.cp}"] if self.cp > 1 else []) + [f"pp={self.pp}", f"dp={self.dp}"]
         if self.ep > 1 or self.expert_tp > 1:
             parts += [f"ep={self.ep}"] + ([f"expert_tp={self.expert_tp}"] if self.expert_tp > 1 else [])
+        elif self.experts:
+            parts.append("experts=True")
         return f"Topology({', '.join(parts)})"
 
     def __str__(self) -> str:

@@ -207,7 +207,9 @@ class Session:
     def __init__(self, cluster: Cluster, config, *, checkpoint_dir: Optional[str] = None, save_every_step: bool = False,
                  keep_last_step: bool = True):
         if config.topology != cluster.topology:
-            raise ValueError(f"the config asks for {config.topology!r} but the cluster runs {cluster.topology!r}")
+            hint = (": its model has experts, so start the cluster with topology=config.topology (the expert "
+                    "grid's process groups)" if config.topology.experts and not cluster.topology.experts else "")
+            raise ValueError(f"the config asks for {config.topology!r} but the cluster runs {cluster.topology!r}{hint}")
         if save_every_step and not checkpoint_dir:
             raise ValueError("Session: save_every_step=True needs a checkpoint_dir to save into")
         self.cluster, self.config = cluster, config

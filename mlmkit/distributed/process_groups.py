@@ -182,7 +182,7 @@ class ProcessGroups:
         mine: dict[str, CommGroup] = {}
         made: dict[tuple[int, ...], Optional[dist.ProcessGroup]] = {}
         # new_group is collective over the world: every rank creates every group in the same order.
-        experts = topology.ep > 1 or topology.expert_tp > 1
+        experts = topology.experts
         for attr, kind in GROUP_ATTRS.items():
             if attr in ("ep", "expert_tp", "expert_dp") and not experts:
                 continue        # a dense model has no expert groups (each is this rank alone)
@@ -257,8 +257,19 @@ class ProcessGroups:
         return self.coords.pp == self.topology.pp - 1
 
     def expert_groups(self):
-        """The groups a mixture-of-experts layer needs (:class:`mlmkit.moe.ExpertGroups`)."""
+        """The groups a mixture-of-experts layer needs (:class:`mlmkit.moe.ExpertGroups`).
+
+        Refuses groups built without the expert grid (``Topology(experts=False)`` with more than one
+        replica of each expert): their expert gradients would never be reduced over the replicas."""
         from mlmkit.moe.layer import ExpertGroups
+
+        if self.expert_dp.size != self.topology.expert_dp:
+            t = self.topology
+            raise ValueError(
+                f"a mixture-of-experts model needs the expert grid's process groups, but these were built for "
+                f"{t!r} without them (each of the {t.expert_dp} replicas of an expert would keep its own "
+                f"gradient): build them from Topology(..., experts=True), as TrainConfig.topology does for a "
+                f"model with experts (a Cluster: Cluster(topology=config.topology))")
 
         return ExpertGroups(ep=self.ep, expert_tp=self.expert_tp, tokens=self.tp_cp)
 

@@ -390,7 +390,11 @@ def _load(trainer, path: str) -> int:
     trainer.optimizer.params_loaded()
     if states:
         trainer.optimizer.load_state_by_name(states, opt_step)
-    same_layout = meta["topology"] == asdict(trainer.config.topology) and meta["config"]["chunks"] == trainer.config.chunks
+    # The grid decides whether the saved random states fit; the experts flag follows the model (and
+    # checkpoints written before it existed lack it).
+    grid = {k: v for k, v in asdict(trainer.config.topology).items() if k != "experts"}
+    saved = {k: v for k, v in meta["topology"].items() if k != "experts"}
+    same_layout = saved == grid and meta["config"]["chunks"] == trainer.config.chunks
     if same_layout:
         sh = shards.shard(trainer.groups.coords.tp, trainer.groups.coords.pp)
         for model, state in zip(trainer.chunks, sh["rng"]):

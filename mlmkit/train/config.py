@@ -206,7 +206,8 @@ class TrainConfig:
 
     @property
     def topology(self) -> Topology:
-        return Topology(tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp, ep=self.ep, expert_tp=self.expert_tp)
+        return Topology(tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp, ep=self.ep, expert_tp=self.expert_tp,
+                        experts=self.model.experts > 0)
 
     @property
     def world_size(self) -> int:

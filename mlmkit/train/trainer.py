@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -46,7 +47,9 @@ class Trainer:
     """
 
     def __init__(self, config: TrainConfig, *, groups: ProcessGroups, tracer=None):
-        if groups.topology != config.topology:
+        # The experts flag is checked where the expert groups are used (ProcessGroups.expert_groups):
+        # a serial reference's single groups serve a model with experts too.
+        if groups.topology != replace(config.topology, experts=groups.topology.experts):
             raise ValueError(f"process groups are built for {groups.topology!r} but the config asks for "
                              f"{config.topology!r}")
         self.config, self.groups = config, groups
