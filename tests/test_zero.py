@@ -186,6 +186,26 @@ def test_parameters_are_freed_between_steps_and_whole_on_demand():
     replicated.train_step()
     for n, p in replicated.named_parameters():
         assert torch.equal(p.detach(), whole[n]), n
+    # Reading a freed parameter is refused by name (it used to read freed memory: a segfault).
+    with pytest.raises(RuntimeError, match=r"'position' is sharded by ZeRO-3 .* trainer.full_parameters\(\)"):
+        gather_full(trainer.chunks[0])
+    with trainer.full_parameters():
+        assert all(torch.equal(t, whole[n]) for n, t in gather_full(trainer.chunks[0]).items())
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_whole_gradients_after_the_reduction_are_refused(stage):
+    """ZeRO-2/3 keep only a shard of each reduced gradient: gather_full(grads=True) names the
+    parameter instead of returning zeros for it; before the reduction it returns the local sums."""
+    trainer = Trainer(_config(zero=stage, dp=1), groups=ProcessGroups.single())
+    trainer.begin_step()
+    trainer.executor.step_action()                      # one forward: no gradient yet, nothing reduced
+    assert all(torch.count_nonzero(g) == 0 for g in gather_full(trainer.chunks[0], grads=True).values())
+    while not trainer.executor.done:
+        trainer.executor.step_action()
+    trainer.executor.finalize()
+    with pytest.raises(RuntimeError, match=f"reduce-scattered by ZeRO-{stage}"):
+        gather_full(trainer.chunks[0], grads=True)
 
 
 # ------------------------------------------------------------------------------- bad input

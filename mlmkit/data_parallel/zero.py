@@ -97,6 +97,8 @@ class ShardedUnit:
         self.passes = 0                      # backward passes through this unit in the current step
         self.named = list(named_params)
         self.params = [p for _, p in self.named]
+        for p in self.params:       # readers such as gather_full check these (freed weights, sharded gradients)
+            p.zero_stage, p.grad_reduced = stage, False
         self.dtype = self.params[0].dtype
         self.numel = sum(p.numel() for p in self.params)
         self.shard_size = -(-self.numel // group.size)            # ceil(N_u / d)
@@ -151,7 +153,7 @@ class ShardedUnit:
         grads = self.flat([param_grad(p) if param_grad(p) is not None else torch.zeros(p.shape, dtype=torch.float32, device=p.device)
                            for p in self.params])
         for p in self.params:          # the whole gradient is no longer needed
-            p.grad = None
+            p.grad, p.grad_reduced = None, True
             if getattr(p, "main_grad", None) is not None:
                 p.main_grad = None
         g = self.group
@@ -246,7 +248,7 @@ class FullyShardedAdamW(_Base):
 
     def zero_grad(self) -> None:
         for p in self.params:
-            p.grad = None
+            p.grad, p.grad_reduced = None, False
             if getattr(p, "main_grad", None) is not None:
                 p.main_grad = None                 # allocated again by the first accumulation
         for u in self.units:

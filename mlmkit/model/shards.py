@@ -61,13 +61,30 @@ def gather_full(model: nn.Module, *, grads: bool = False) -> dict[str, torch.Ten
 
     Collective over the model's TP group (an expert's parameters: over its expert-tp group). Vocabulary padding rows are dropped, so the result has the
     same shapes whatever the TP degree (compare it with the serial model's ``named_parameters``).
+    A parameter without a gradient reads as zeros.
+
+    Raises:
+        RuntimeError: a ZeRO-3 parameter read while it is freed (between its uses the whole tensor
+            has no memory: read it inside ``with trainer.full_parameters():``), or the gradient of a
+            ZeRO-2/3 parameter after the data-parallel reduction (each rank then holds only its
+            shard, in the optimizer).
     """
     from mlmkit.tensor_parallel.layers import param_grad, unshard
 
     default = _tp_group(model) or CommGroup.single("tp")
     out = {}
     for name, p, tp in _params_with_groups(model, default):
+        stage = getattr(p, "zero_stage", 0)
+        if not grads and p.untyped_storage().nbytes() < (p.storage_offset() + p.numel()) * p.element_size():
+            # Reading it would read freed memory (a crash, or garbage).
+            raise RuntimeError(f"gather_full: parameter {name!r} is sharded by ZeRO-{stage} and not gathered "
+                               f"now (only its shard has memory between uses): read it inside "
+                               f"`with trainer.full_parameters():`")
         t = param_grad(p) if grads else p.detach()
+        if t is None and getattr(p, "grad_reduced", False):
+            raise RuntimeError(f"gather_full: the gradient of {name!r} was reduce-scattered by ZeRO-{stage} (each "
+                               f"rank keeps only its shard, in the optimizer); read whole gradients before "
+                               f"the data-parallel reduction, or use zero <= 1")
         if t is None:
             t = torch.zeros_like(p)
         t = t.detach()
