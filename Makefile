@@ -11,10 +11,21 @@ STAMP := $(VENV)/.mlmkit-installed
 PYTEST_ARGS ?=
 # Optional extras installed into .venv: add mpi for Cluster(profile="mpi") (`make env EXTRAS=test,mpi`).
 EXTRAS ?= test
+# The stamp lists the extras installed so far; asking for one it lacks (`make env EXTRAS=test,mpi` on
+# a .venv built by `make test`) installs again, keeping the extras already there.
+comma := ,
+space := $(subst ,, )
+WANT_EXTRAS := $(subst $(comma),$(space),$(EXTRAS))
+HAVE_EXTRAS := $(shell cat $(STAMP) 2>/dev/null)
+ALL_EXTRAS := $(subst $(space),$(comma),$(sort $(WANT_EXTRAS) $(HAVE_EXTRAS)))
 
-.PHONY: demo test bench lab env clean
+.PHONY: demo test bench lab env clean FORCE
 
 env: $(STAMP)
+
+ifneq ($(filter-out $(HAVE_EXTRAS),$(WANT_EXTRAS)),)
+$(STAMP): FORCE
+endif
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,8 +39,8 @@ $(STAMP): pyproject.toml Makefile
 	  echo "mlmkit: no CUDA GPU, installing torch==$(TORCH_VERSION)"; \
 	  $(PY) -m pip install -q "torch==$(TORCH_VERSION)"; \
 	fi
-	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
-	@touch $(STAMP)
+	$(PY) -m pip install -q -e ".[$(ALL_EXTRAS)]"
+	@echo "$(sort $(WANT_EXTRAS) $(HAVE_EXTRAS))" > $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m mlmkit.demo

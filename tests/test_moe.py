@@ -305,7 +305,10 @@ def uniform_traces():
                           "expert_tp2-gelu-bias-shared": dict(tp=2, dp=2, expert_tp=2, ep=2, sequence_parallel=True),
                           "pp2-ep2-full-bf16": dict(pp=2, dp=2, ep=2, recompute="full", precision="bf16"),
                           "cp2-ep4": dict(cp=2, dp=2, ep=4),
-                          "tp2-sp-dp2-ep1-zero1": dict(tp=2, dp=2, sequence_parallel=True, zero1=True)}.items():
+                          "tp2-sp-dp2-ep1-zero1": dict(tp=2, dp=2, sequence_parallel=True, zero1=True),
+                          # ZeRO-1 under bf16: fp32 gradients reduce-scattered, bf16 parameters gathered
+                          # (the experts' too: 6 bytes per element on the wire, not an all-reduce's 8)
+                          "dp4-ep2-zero1-bf16": dict(dp=4, ep=2, zero=1, precision="bf16")}.items():
         m = model if "gelu" not in name else moe_config(**{**model.to_dict(), "mlp": "gelu", "bias": True,
                                                            "moe_shared_ffn_hidden": 32})
         cfg = _config(m, **options)

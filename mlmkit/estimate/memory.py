@@ -196,7 +196,7 @@ def moe_activation_bytes(model: GPTConfig, *, tokens: float, t: int = 1, sp: boo
     tokens, routed evenly (every expert gets ``tokens * top_k / experts`` of each rank's assignments;
     no drops): what :class:`mlmkit.moe.MoELayer` saves.
 
-    Router: its fp32 input, the softmax (or sigmoid) scores ``[T, E]``, the chosen indices (int64),
+    Router: its fp32 input (and, under bf16, the fp32 copy of its weight), the softmax (or sigmoid) scores ``[T, E]``, the chosen indices (int64),
     the weights and their sum when renormalised. Permutation: four int64 index vectors (two over the
     assignments, two over the received rows). Experts: their input rows (gathered over expert-tp),
     the MLP's internals (as a dense MLP of width ``moe_ffn / expert_tp``), the outputs and their
@@ -207,6 +207,8 @@ def moe_activation_bytes(model: GPTConfig, *, tokens: float, t: int = 1, sp: boo
     R = A                                            # rows its experts receive (even routing)
     et = expert_tp
     total = 4 * T * h                                # router input in fp32 (the MLP input itself in fp32)
+    if E != 4:
+        total += 4 * Ex * h                          # the router weight's fp32 copy (bf16 runs)
     total += 4 * T * Ex + 8 * T * k                  # scores, chosen experts
     if model.moe_renormalize:
         total += 4 * T * k + 4 * T                   # weights and their sum
