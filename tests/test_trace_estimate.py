@@ -102,6 +102,20 @@ def test_chrome_trace_holds_every_rank(traced, tmp_path):
     assert names == {f"rank {r}" for r in range(8)}
 
 
+def test_a_lone_rank_sends_nothing_and_says_so():
+    # One process: no message at all; the table says 0 bytes (ratio 1), not a missing rank (NaN, inf).
+    import pandas as pd
+
+    cfg = TrainConfig(model=MODEL, micro_batch_size=2, global_batch_size=8)
+    empty = pd.DataFrame(columns=["rank", "op", "axis", "ranks", "bytes", "wire_bytes", "start", "end", "site",
+                                  "phase"])
+    table = compare_comm(empty, estimate_train_comm(cfg))
+    assert len(table) == len(AXES) and (table.measured == 0).all() and (table.ratio == 1.0).all(), table
+    # With several ranks a rank missing from the trace stays unknown (NaN), never a silent 0.
+    two = compare_comm(empty, estimate_train_comm(cfg.replace(dp=2, global_batch_size=8)))
+    assert two.measured.isna().all()
+
+
 def test_megatron_bytes_per_parameter():
     assert bytes_per_parameter(precision="bf16") == 18
     for d in (2, 4, 8, 64):

@@ -44,5 +44,10 @@ def compare_memory(memory, estimated):
 
 
 def compare_comm(comm, estimated, *, steps: int = 1):
-    """Long table (rank, kind=axis, measured, estimated, ratio) from a comm trace and estimate_comm()."""
-    return _long(measured_comm(comm, steps=steps), estimated, AXES)
+    """Long table (rank, kind=axis, measured, estimated, ratio) from a comm trace and estimate_comm().
+    A rank without any traced message is ``NaN`` (not traced), except the only rank of a
+    one-process run, which has nobody to talk to (0 bytes)."""
+    measured = measured_comm(comm, steps=steps)
+    if len(estimated.index) == 1 and measured.empty:
+        measured = measured.reindex(estimated.index, fill_value=0)
+    return _long(measured, estimated, AXES)
