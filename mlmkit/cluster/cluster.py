@@ -166,7 +166,8 @@ class Cluster:
         grace_s: after a rank failed (or Ctrl-C), how long the others get to finish before being killed.
         threads: torch threads per CPU engine (default: cores of the host / engines on it).
         backend: "gloo" or "nccl" (default: nccl with CUDA, else gloo).
-        engine_start_timeout_s: bound on starting the engines.
+        engine_start_timeout_s: bound on starting the engines (their registration, torch's import and
+            each rank's setup; also for replacement engines).
         scheduler_args: options for the engines' launcher: ``sbatch`` options with
             ``profile="slurm"`` (e.g. ``["--partition=gpu", "--gpus-per-task=1", "--time=1:00:00"]``),
             ``mpiexec`` options with ``profile="mpi"`` (e.g. ``["--hostfile", "hosts.txt"]``).
@@ -453,8 +454,11 @@ class Cluster:
                 local_rank=local[r], threads=threads, backend=self.backend, timeout_s=self.collective_timeout_s,
                 driver_pid=me.pid if watch else None, driver_ctime=me.create_time() if watch else None,
                 stack_file=self._stack_file(r))
+        # Starting an engine (torch's import, the rank's setup) is bounded by the start timeout, not by
+        # the per-call bound: a cluster with timeout_s=8 for fast failure reports must still start on
+        # a busy laptop, where importing torch in 4 engines at once takes 10 s or more.
         for r, ar in results.items():
-            out = ar.get(timeout=self.timeout_s)
+            out = ar.get(timeout=max(self.timeout_s, self.engine_start_timeout_s))
             if r < len(self.setup):
                 self.setup[r] = out
             else:
