@@ -253,6 +253,10 @@ def test_a_failed_slurm_start_says_why_once(tmp_path):
     assert "the engines did not start" in out.stderr and "--partition=no-such-partition" in out.stderr
     assert "ipcontroller" in out.stderr                            # the controller's log, read before removal
     assert list(tmp_path.iterdir()) == []                          # no job file here, no folder recreated
+    import psutil                                                   # and no process left (the controller)
+
+    left = [p.info for p in psutil.process_iter(["pid", "cmdline", "cwd"]) if p.info["cwd"] == str(tmp_path)]
+    assert left == [], left
 
 
 def _mpi_args() -> list:

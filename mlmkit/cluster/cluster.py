@@ -544,6 +544,10 @@ class Cluster:
         # garbage collection (a second traceback, and a profile folder written anew).
         self.ipp_cluster.shutdown_atexit = False
         killed = _reap(pids, wait_s=10.0)
+        if self._profile_dir:
+            # Anything still running for this private folder that the launchers lost track of (seen
+            # once: a controller left behind by a failed batch start on a busy machine).
+            killed += _reap(_processes_of_profile(self._profile_dir), wait_s=0.0)
         if self._reaper is not None:
             self._reaper.kill()
             self._reaper.wait(timeout=5)
@@ -905,6 +909,23 @@ def _children(pid: int) -> list[int]:
         return [c.pid for c in psutil.Process(pid).children(recursive=True)]
     except psutil.Error:
         return []
+
+
+def _processes_of_profile(profile_dir: str) -> list[int]:
+    """This user's processes started for ``profile_dir`` (ipyparallel gives its controller and
+    engines ``IPP_PROFILE_DIR``), this process excluded."""
+    import psutil
+
+    me, uid, out = os.getpid(), os.getuid(), []
+    for proc in psutil.process_iter(["pid", "uids"]):
+        try:
+            if proc.info["pid"] == me or proc.info["uids"] is None or proc.info["uids"].real != uid:
+                continue
+            if proc.environ().get("IPP_PROFILE_DIR") == profile_dir:
+                out.append(proc.info["pid"])
+        except psutil.Error:
+            continue
+    return out
 
 
 def _reap(pids, *, wait_s: float, kill: bool = True) -> list[int]:
