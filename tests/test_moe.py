@@ -308,7 +308,9 @@ def uniform_traces():
                           "tp2-sp-dp2-ep1-zero1": dict(tp=2, dp=2, sequence_parallel=True, zero1=True),
                           # ZeRO-1 under bf16: fp32 gradients reduce-scattered, bf16 parameters gathered
                           # (the experts' too: 6 bytes per element on the wire, not an all-reduce's 8)
-                          "dp4-ep2-zero1-bf16": dict(dp=4, ep=2, zero=1, precision="bf16")}.items():
+                          "dp4-ep2-zero1-bf16": dict(dp=4, ep=2, zero=1, precision="bf16"),
+                          # a split backward: the experts' fc1/fc2 inputs and output gradients held from I to W
+                          "pp2-cp2-zbh1": dict(pp=2, cp=2, schedule="zb-h1")}.items():
         m = model if "gelu" not in name else moe_config(**{**model.to_dict(), "mlp": "gelu", "bias": True,
                                                            "moe_shared_ffn_hidden": 32})
         cfg = _config(m, **options)

@@ -228,21 +228,36 @@ def moe_activation_bytes(model: GPTConfig, *, tokens: float, t: int = 1, sp: boo
 
 def weight_grad_bytes_per_layer(*, s: int, b: int, h: int, a: int, ffn: Optional[int] = None, t: int = 1,
                                 sequence_parallel: bool = False, precision="bf16", kv_heads: Optional[int] = None,
-                                mlp: str = "gelu", gate_up_fused: bool = True) -> float:
+                                mlp: str = "gelu", gate_up_fused: bool = True, moe: Optional[GPTConfig] = None,
+                                expert_tp: int = 1) -> float:
     """Bytes one layer keeps from its split backward's B until its W (zero-bubble schedules), per
     microbatch: every linear layer's input ``X`` and output gradient ``dY`` (W computes ``dY^T X``).
     Inputs shared by two linears (q and kv, gate and up) count once; with sequence parallelism the
-    column-parallel inputs and the row-parallel output gradients are the gathered ``[s, b, h]``."""
+    column-parallel inputs and the row-parallel output gradients are the gathered ``[s, b, h]``.
+    With ``moe`` (a mixture-of-experts model) the MLP is its experts, routed evenly: their rows
+    (gathered over ``expert_tp``) into fc1 and fc2 and those layers' output gradients, and the shared
+    expert, if any, as a dense MLP; the router's product is no deferred linear."""
     pr = _precision(precision)
     E, T = pr.activation, s * b
     ffn = 4 * h if ffn is None else ffn
     kv = a if kv_heads is None else kv_heads
     d, a_l = h // a, a / t
     kv_l = kv / t if kv >= t else 1
-    x = T * h + T * a_l * d + T * h + T * ffn / t                      # qkv, proj, fc1 (gate/up), fc2 inputs
+    x = T * h + T * a_l * d                                            # qkv, proj inputs
     dy = T * (a_l + 2 * kv_l) * d + T * h                              # qkv (q + kv) and proj output gradients
-    dy += T * (2 * ffn / t if mlp == "swiglu" else ffn / t) + T * h    # fc1 (gate, up) and fc2 output gradients
-    return E * (x + dy)
+
+    def dense_mlp(width: float, gated: bool) -> float:                 # fc1 (gate, up), fc2: X and dY
+        return T * h + T * width + T * (2 * width if gated else width) + T * h
+
+    if moe is None:
+        x_dy = dense_mlp(ffn / t, mlp == "swiglu")
+    else:
+        rows = (T / t if sequence_parallel and t > 1 else T) * moe.top_k * expert_tp
+        f = moe.moe_ffn / expert_tp
+        x_dy = rows * h + rows * f + rows * (2 * f if moe.mlp == "swiglu" else f) + rows * h
+        if moe.moe_shared_ffn_hidden:
+            x_dy += dense_mlp(moe.moe_shared_ffn_hidden / t, moe.mlp == "swiglu")
+    return E * (x + dy + x_dy)
 
 
 def _megatron_layer(*, s, b, h, a, kv, ffn, t, sp, E, M, mlp, selective, dropout) -> float:
@@ -373,7 +388,8 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
             expert_tp=topology.expert_tp)
         held_for_w = weight_grad_bytes_per_layer(
             s=s, b=b, h=model.hidden, a=model.heads, ffn=model.ffn, t=t, sequence_parallel=sp, precision=pr,
-            kv_heads=model.num_kv_heads, mlp=model.mlp, gate_up_fused=model.gate_up_fused)
+            kv_heads=model.num_kv_heads, mlp=model.mlp, gate_up_fused=model.gate_up_fused,
+            moe=model if model.moe else None, expert_tp=topology.expert_tp)
         per_chunk, per_chunk_w = [], []
         for st in stage_layout(model, topology, pp_rank=c.pp, chunks=chunks, layers_per_stage=layers_per_stage,
                                placement=placement):
