@@ -202,8 +202,8 @@ def estimate_comm(model: GPTConfig, topology: Topology, *, micro_batch_size: int
                                         bucket_bytes=bucket_bytes)
         if model.moe:
             layers = sum(len(st["layers"]) for st in stages)
-            vol["expert-dp"] = _grad_reduction([q for q in params if q.expert], topology.expert_dp, zero1=stage == 1, R=R,
-                                               E=E, bucket_bytes=bucket_bytes)
+            vol["expert-dp"] = _grad_reduction([q for q in params if q.expert], topology.expert_dp,
+                                               zero1=stage == 1, R=R, E=E, bucket_bytes=bucket_bytes)
             vol.update(_moe_comm(model, topology, s=s, b=b, m=m, E=E, G=G, sp=sp, layers=layers,
                                  full_recompute=full_recompute))
         if p > 1 and model.tie_embeddings:

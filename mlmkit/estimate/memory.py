@@ -196,8 +196,8 @@ def moe_activation_bytes(model: GPTConfig, *, tokens: float, t: int = 1, sp: boo
     tokens, routed evenly (every expert gets ``tokens * top_k / experts`` of each rank's assignments;
     no drops): what :class:`mlmkit.moe.MoELayer` saves.
 
-    Router: its fp32 input (and, under bf16, the fp32 copy of its weight), the softmax (or sigmoid) scores ``[T, E]``, the chosen indices (int64),
-    the weights and their sum when renormalised. Permutation: four int64 index vectors (two over the
+    Router: its fp32 input (and, under bf16, the fp32 copy of its weight), the softmax (or sigmoid)
+    scores ``[T, E]``, the chosen indices (int64), the weights and their sum when renormalised. Permutation: four int64 index vectors (two over the
     assignments, two over the received rows). Experts: their input rows (gathered over expert-tp),
     the MLP's internals (as a dense MLP of width ``moe_ffn / expert_tp``), the outputs and their
     weighted copies. The shared expert is a dense MLP over all tokens."""
@@ -246,17 +246,16 @@ def weight_grad_bytes_per_layer(*, s: int, b: int, h: int, a: int, ffn: Optional
     x = T * h + T * a_l * d                                            # qkv, proj inputs
     dy = T * (a_l + 2 * kv_l) * d + T * h                              # qkv (q + kv) and proj output gradients
 
-    def dense_mlp(width: float, gated: bool) -> float:                 # fc1 (gate, up), fc2: X and dY
-        return T * h + T * width + T * (2 * width if gated else width) + T * h
+    def mlp_held(rows: float, width: float, gated: bool) -> float:     # fc1 (gate, up), fc2: X and dY
+        return rows * (h + width + (2 * width if gated else width) + h)
 
     if moe is None:
-        x_dy = dense_mlp(ffn / t, mlp == "swiglu")
-    else:
+        x_dy = mlp_held(T, ffn / t, mlp == "swiglu")
+    else:   # each expert's rows, gathered over expert-tp; the shared expert as a dense MLP
         rows = (T / t if sequence_parallel and t > 1 else T) * moe.top_k * expert_tp
-        f = moe.moe_ffn / expert_tp
-        x_dy = rows * h + rows * f + rows * (2 * f if moe.mlp == "swiglu" else f) + rows * h
+        x_dy = mlp_held(rows, moe.moe_ffn / expert_tp, moe.mlp == "swiglu")
         if moe.moe_shared_ffn_hidden:
-            x_dy += dense_mlp(moe.moe_shared_ffn_hidden / t, moe.mlp == "swiglu")
+            x_dy += mlp_held(T, moe.moe_shared_ffn_hidden / t, moe.mlp == "swiglu")
     return E * (x + dy + x_dy)
 
 
