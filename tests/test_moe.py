@@ -310,9 +310,26 @@ def uniform_traces():
                           # (the experts' too: 6 bytes per element on the wire, not an all-reduce's 8)
                           "dp4-ep2-zero1-bf16": dict(dp=4, ep=2, zero=1, precision="bf16"),
                           # a split backward: the experts' fc1/fc2 inputs and output gradients held from I to W
-                          "pp2-cp2-zbh1": dict(pp=2, cp=2, schedule="zb-h1")}.items():
+                          "pp2-cp2-zbh1": dict(pp=2, cp=2, schedule="zb-h1"),
+                          # a capacity that drops half of the assignments (fewer rows on the wire and
+                          # in the experts), the load-balancing and z losses' saved tensors, sigmoid scores
+                          "ep2-drops-aux-z-sigmoid": dict(dp=2, ep=2, model=dict(
+                              moe_capacity_factor=0.5, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001,
+                              moe_router="sigmoid")),
+                          # drops by position over expert-tp; sigmoid scores without the balancing loss
+                          # keep no graph (a stage ending in the MoE layer peaked inside its forward)
+                          "tp2-sp-expert_tp2-pp2-drops-sigmoid": dict(
+                              tp=2, pp=2, expert_tp=2, sequence_parallel=True, model=dict(
+                                  moe_capacity_factor=0.75, moe_drop_policy="position", moe_router="sigmoid")),
+                          # a split backward walks the shared expert first: its fc2's output gradient is
+                          # kept before anything is freed; full recomputation: every layer's tensors for
+                          # W are kept before the chunk's first checkpointed input is freed
+                          "tp2-sp-pp2-shared-zbh1": dict(tp=2, pp=2, sequence_parallel=True, schedule="zb-h1",
+                                                         model=dict(moe_shared_ffn_hidden=32)),
+                          "pp2-dp2-ep2-zbh1-full": dict(pp=2, dp=2, ep=2, schedule="zb-h1", recompute="full")}.items():
         m = model if "gelu" not in name else moe_config(**{**model.to_dict(), "mlp": "gelu", "bias": True,
                                                            "moe_shared_ffn_hidden": 32})
+        m = moe_config(**{**m.to_dict(), **options.pop("model", {})})
         cfg = _config(m, **options)
         out[name] = cfg, merge_traces(run_ranks(traced_step, world_size=cfg.world_size, args=(cfg.to_dict(),),
                                                 timeout_s=300))

@@ -80,13 +80,36 @@ def test_measured_memory_against_estimate(traced):
     cfg, traces = traced
     est = estimate_train_memory(cfg)
     table = compare_memory(traces["memory"], est)
-    exact = table[table.kind != "activations"]
-    assert (exact.measured == exact.estimated).all(), exact
-    acts = table[table.kind == "activations"]
-    assert ((acts.ratio - 1).abs() <= 0.10).all(), acts
+    # every kind exact, the activation peak included (the schedule replayed, split-backward transients too)
+    assert (table.measured == table.estimated).all(), table[table.measured != table.estimated]
     # The same as the lower-level call with every option spelled out.
     assert est.equals(estimate_memory(cfg.model, cfg.topology, recompute=cfg.recompute, precision=cfg.precision,
                                       **_options(cfg)))
+
+
+# Peaks the variants above miss, on tp=2 x pp=2: inside a split backward's I (fc2's output gradient
+# is kept before anything is freed: GELU, SP; with full recomputation every layer's tensors for W are
+# kept before the chunk's first checkpointed input goes), and eager attention with grouped-query
+# heads (it keeps the keys and values repeated per query head, not the projection's output).
+PEAKS = {
+    "gpt2-sp-zbh1": dict(model=GPTConfig(vocab_size=256, seq_len=16, hidden=32, heads=4, layers=2),
+                         sequence_parallel=True, schedule="zb-h1"),
+    "llama-eager-gqa-bf16-sp-zbh1": dict(model=llama_config(seq_len=16, hidden=32, heads=4, kv_heads=2, layers=2,
+                                                            ffn_hidden=64, attention="eager"),
+                                         precision="bf16", sequence_parallel=True, schedule="zb-h1"),
+    "llama-dropout-zbv-full": dict(model=llama_config(seq_len=16, hidden=32, heads=4, kv_heads=2, layers=4,
+                                                      ffn_hidden=64, dropout=0.1),
+                                   schedule="zb-v", chunks=2, recompute="full"),
+}
+
+
+def test_activation_peaks_inside_actions_are_exact():
+    for name, options in PEAKS.items():
+        options = dict(options)
+        cfg = TrainConfig(model=options.pop("model"), tp=2, pp=2, micro_batch_size=1, global_batch_size=4, **options)
+        traces = merge_traces(run_ranks(traced_step, world_size=4, args=(cfg.to_dict(),), timeout_s=300))
+        table = compare_memory(traces["memory"], estimate_train_memory(cfg))
+        assert (table.measured == table.estimated).all(), (name, table[table.measured != table.estimated])
 
 
 def test_chrome_trace_holds_every_rank(traced, tmp_path):

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from mlmkit.estimate.params import local_parameters, shard_unit_sizes, stage_layout
+from mlmkit.estimate.params import local_parameters, moe_kept_per_expert, shard_unit_sizes, stage_layout
 from mlmkit.pipeline.schedule import V_SCHEDULES, stage_rank
 from mlmkit.model.config import GPTConfig
 from mlmkit.topology import Topology
@@ -77,25 +77,26 @@ def _grad_reduction(params, d: int, *, zero1: bool, R: int, E: int, bucket_bytes
 def _moe_comm(model: GPTConfig, topology: Topology, *, s: int, b: int, m: int, E: int, G: int, sp: bool,
               layers: int, full_recompute: bool) -> dict:
     """A mixture of experts' bytes per rank and step, for evenly routed tokens (every expert gets the
-    same number of assignments: exact for ``moe_force_uniform``, the mean otherwise; no drops)."""
+    same number of assignments: exact for ``moe_force_uniform``, the mean otherwise), less what a
+    capacity drops (:func:`~mlmkit.estimate.params.moe_kept_per_expert`)."""
     t, ep, et = topology.tp, topology.ep, topology.expert_tp
-    h, Ex, k = model.hidden, model.experts, model.top_k
+    h, Ex = model.hidden, model.experts
     local = Ex // ep
     tokens = (s // t if sp else s) * b                  # this rank's tokens of a microbatch
-    assignments = tokens * k
+    kept = int(moe_kept_per_expert(model, tokens))      # rows each expert takes from this rank
     runs = 2 if full_recompute else 1                   # forward passes per microbatch
     out = {}
     # ep: dispatch and combine all-to-alls forward and backward, (ep - 1)/ep of the rows leave; the
     # expert counts (int64) are exchanged in every forward
-    a2a = (ep - 1) * (assignments // ep) * h * E
+    a2a = (ep - 1) * local * kept * h * E
     out["ep"] = m * layers * ((2 * runs + 2) * a2a + runs * (ep - 1) * local * 8) if ep > 1 else 0
     # tp-cp: the routing statistics (2 E + 2 fp32) summed over the ranks that split the tokens
     n_tok = t * topology.cp
     out["tp-cp"] = m * layers * runs * ring_wire_bytes("all_reduce", (2 * Ex + 2) * 4, n_tok) if n_tok > 1 else 0
-    # expert-tp: per local expert its rows (ep * assignments / E on each member) gathered before fc1 and
+    # expert-tp: per local expert its rows (ep * kept on each member) gathered before fc1 and
     # reduce-scattered after fc2, and back in backward; the padded row counts (int64) per forward
     if et > 1:
-        rows = ep * assignments // Ex
+        rows = ep * kept
         full = et * rows * h * E
         pair = ring_wire_bytes("all_gather", full, et) + ring_wire_bytes("reduce_scatter", full, et)
         per_mb = local * (runs + 1) * pair + runs * ring_wire_bytes("all_reduce", local * 8, et)

@@ -39,7 +39,8 @@ difference from the paper, measured by the saved-tensor hooks of :mod:`mlmkit.tr
   queries and keys;
 - attention through ``scaled_dot_product_attention`` (flash kernels; ``attention="sdpa"`` without
   dropout) keeps its output and an fp32 log-sum-exp per query, no ``s x s`` scores; the eager path
-  keeps the causal mask (``s^2`` bytes) and the fp32 softmax (plus its bf16 copy in bf16);
+  keeps the causal mask (``s^2`` bytes) and the fp32 softmax (plus its bf16 copy in bf16), and with
+  grouped-query heads the keys and values repeated for every query head;
 - the first and last stages hold the embedding's indices and the loss's fp32 softmax over the
   (local) vocabulary;
 - context parallelism (cp): every term counts this rank's ``s/cp`` tokens; ring attention keeps,
@@ -48,7 +49,11 @@ difference from the paper, measured by the saved-tensor hooks of :mod:`mlmkit.tr
 
 The peak per rank replays the schedule's compute order: a microbatch's activations are held from
 its forward until its backward; with a split backward (zero-bubble schedules) B frees them but keeps
-every linear layer's input and output gradient until W (:func:`weight_grad_bytes_per_layer`).
+every linear layer's input and output gradient until W (:func:`weight_grad_bytes_per_layer`). Inside
+a split backward the walk keeps some of those before it frees what they replace, a rise above both
+ends of the action (:func:`_split_backward_rise`; with full recomputation, every layer's tensors
+before the chunk's first checkpointed input). Like :class:`mlmkit.trace.memory.MemoryTracker`, the
+replay does not count the tensors a recomputation re-creates during backward (one layer's at a time).
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
-from mlmkit.estimate.params import local_parameters, shard_unit_sizes, stage_layout
+from mlmkit.estimate.params import local_parameters, moe_kept_per_expert, shard_unit_sizes, stage_layout
 from mlmkit.model.config import GPTConfig
 from mlmkit.pipeline.schedule import make_schedule
 from mlmkit.topology import Topology
@@ -164,6 +169,8 @@ def activation_bytes_per_layer(*, s: int, b: int, h: int, a: int, ffn: Optional[
     # Query/key/value storages: what the attention (or the rotary rotation) keeps.
     if kv == a:
         total += E * T * 3 * a_l * d + (E * T * 2 * a_l * d if rope else 0)  # fused qkv; rotated q, k
+    elif not flash and recompute != "selective" and kv_l < a_l:
+        total += E * T * 3 * a_l * d                                        # q; k, v repeated per query head
     elif rope:
         total += E * T * 2 * kv_l * d + E * T * (a_l + kv_l) * d            # kv (for v); rotated q, k
     else:
@@ -193,17 +200,23 @@ def activation_bytes_per_layer(*, s: int, b: int, h: int, a: int, ffn: Optional[
 def moe_activation_bytes(model: GPTConfig, *, tokens: float, t: int = 1, sp: bool = False, precision="bf16",
                          ep: int = 1, expert_tp: int = 1) -> float:
     """Bytes a mixture-of-experts MLP keeps for backward per microbatch, ``tokens`` being this rank's
-    tokens, routed evenly (every expert gets ``tokens * top_k / experts`` of each rank's assignments;
-    no drops): what :class:`mlmkit.moe.MoELayer` saves.
+    tokens, routed evenly (every expert gets ``tokens * top_k / experts`` of each rank's assignments,
+    at most its capacity: :func:`~mlmkit.estimate.params.moe_kept_per_expert`): what
+    :class:`mlmkit.moe.MoELayer` saves.
 
     Router: its fp32 input (and, under bf16, the fp32 copy of its weight), the softmax (or sigmoid)
-    scores ``[T, E]``, the chosen indices (int64), the weights and their sum when renormalised. Permutation: four int64 index vectors (two over the
-    assignments, two over the received rows). Experts: their input rows (gathered over expert-tp),
-    the MLP's internals (as a dense MLP of width ``moe_ffn / expert_tp``), the outputs and their
-    weighted copies. The shared expert is a dense MLP over all tokens."""
+    scores ``[T, E]``, the chosen indices (int64), the weights and their sum when renormalised; with
+    a capacity the keep mask (bool ``[T k]``); with the load-balancing loss the expert fractions
+    ``[E]`` (and the per-token sum of sigmoid scores), with the z-loss the logits ``[T, E]`` and
+    their log-sum-exp ``[T]``, and with either the summed routing statistics (``2 E + 2`` fp32, the
+    divisor lives there). Permutation: four int64
+    index vectors (two over the kept assignments, two over the received rows). Experts: their input
+    rows (gathered over expert-tp), the MLP's internals (as a dense MLP of width ``moe_ffn /
+    expert_tp``), the outputs and their weighted copies. The shared expert is a dense MLP over all
+    tokens."""
     pr = _precision(precision)
     E, T, h, k, Ex = pr.activation, tokens, model.hidden, model.top_k, model.experts
-    A = T * k                                        # assignments routed from this rank
+    A = moe_kept_per_expert(model, T) * Ex           # assignments kept from this rank
     R = A                                            # rows its experts receive (even routing)
     et = expert_tp
     total = 4 * T * h                                # router input in fp32 (the MLP input itself in fp32)
@@ -212,6 +225,16 @@ def moe_activation_bytes(model: GPTConfig, *, tokens: float, t: int = 1, sp: boo
     total += 4 * T * Ex + 8 * T * k                  # scores, chosen experts
     if model.moe_renormalize:
         total += 4 * T * k + 4 * T                   # weights and their sum
+    if model.moe_capacity_factor is not None:
+        total += T * k                               # which assignments are kept (bool)
+    if model.moe_aux_loss_coeff > 0:
+        total += 4 * Ex                              # f_e, the fraction of assignments per expert
+        if model.moe_router == "sigmoid":
+            total += 4 * T                           # the per-token sum normalising the sigmoid scores
+    if model.moe_z_loss_coeff > 0:
+        total += 4 * T * Ex + 4 * T                  # logits and their log-sum-exp
+    if model.moe_aux_loss_coeff > 0 or model.moe_z_loss_coeff > 0:
+        total += 4 * (2 * Ex + 2)                    # the summed statistics (the token count divides)
     total += 8 * A * 2 + 8 * R * 2                   # sort orders and regrouping indices
     rows_seen = R * et                               # rows of the expert-tp group, gathered
     total += E * rows_seen * h                       # expert inputs
@@ -252,7 +275,7 @@ def weight_grad_bytes_per_layer(*, s: int, b: int, h: int, a: int, ffn: Optional
     if moe is None:
         x_dy = mlp_held(T, ffn / t, mlp == "swiglu")
     else:   # each expert's rows, gathered over expert-tp; the shared expert as a dense MLP
-        rows = (T / t if sequence_parallel and t > 1 else T) * moe.top_k * expert_tp
+        rows = moe_kept_per_expert(moe, T / t if sequence_parallel and t > 1 else T) * moe.experts * expert_tp
         x_dy = mlp_held(rows, moe.moe_ffn / expert_tp, moe.mlp == "swiglu")
         if moe.moe_shared_ffn_hidden:
             x_dy += mlp_held(T, moe.moe_shared_ffn_hidden / t, moe.mlp == "swiglu")
@@ -284,6 +307,37 @@ def _stage_weight_extra(model: GPTConfig, *, s: int, b: int, t: int, post: bool,
     if not post:
         return 0.0
     return pr.activation * s * b * (model.hidden + model.padded_vocab(t) / t)
+
+
+def _split_backward_rise(model: GPTConfig, *, s: int, b: int, t: int, sp: bool, post: bool, layers: int,
+                         pr: Precision, net_per_layer: float) -> float:
+    """How far a split backward's I rises above what its chunk held before it (a transient the
+    action's two ends miss). Walking a layer back from its output, the first thing kept for W is
+    fc2's output gradient (``[s, b, h]``, gathered with SP), freed before it only a dropout mask; the
+    MLP then frees its internals for fc1's output gradient (GELU: as much as it keeps; SwiGLU: the
+    product more), the second norm its input, and the attention projection's output gradient comes
+    next (``[s, b, h]``); the attention core frees at least what its qkv gradient takes. Each layer
+    walked adds ``net_per_layer`` (kept for W less its activations). On the loss's chunk the walk
+    first frees the loss's tensors (the logits' gradient kept in their place) and the final norm.
+    Mixtures of experts free their outputs before their fc2s (no rise); a shared expert, computed
+    last, is walked first (its fc2's gradient only)."""
+    E, T, h = pr.activation, s * b, model.hidden
+    if model.moe and not model.moe_shared_ffn_hidden:
+        return 0.0
+    tokens = T / t if sp else T                                      # the replicated region's tokens here
+    mask = E * tokens * h if model.dropout > 0 else 0.0              # a residual dropout's mask
+    norm = E * tokens * h + (2 * E * tokens if model.norm == "layernorm" else 4 * tokens)
+    first = E * T * h - mask                                         # fc2's output gradient kept
+    if model.moe:
+        peak = first
+    else:
+        mlp = -E * T * model.ffn / t if model.mlp == "swiglu" else 0.0   # SwiGLU frees silu(gate) too
+        peak = max(first, first + mlp - norm - mask + E * T * h)     # ... then the projection's
+    rise = peak + max(0.0, (layers - 1) * net_per_layer)
+    if post:
+        vocab = model.padded_vocab(t) / t
+        rise += E * T * vocab - (4 * T * vocab + 8 * T + 2 * T) - norm   # the loss's tensors, final norm
+    return max(rise, 0.0)
 
 
 def _stage_extra(model: GPTConfig, *, s: int, b: int, t: int, sp: bool, pre: bool, post: bool, layers: int,
@@ -389,13 +443,22 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
             s=s, b=b, h=model.hidden, a=model.heads, ffn=model.ffn, t=t, sequence_parallel=sp, precision=pr,
             kv_heads=model.num_kv_heads, mlp=model.mlp, gate_up_fused=model.gate_up_fused,
             moe=model if model.moe else None, expert_tp=topology.expert_tp)
-        per_chunk, per_chunk_w = [], []
+        full = _recompute(recompute) == "full" and implementation == "mlmkit"
+        per_chunk, per_chunk_w, first_input, first_dy = [], [], [], []
         for st in stage_layout(model, topology, pp_rank=c.pp, chunks=chunks, layers_per_stage=layers_per_stage,
                                placement=placement):
             extra = _stage_extra(model, s=s, b=b, t=t, sp=sp, pre=st["pre_process"], post=st["post_process"],
                                  layers=len(st["layers"]), pr=pr, cp=cp,
                                  recompute=_recompute(recompute)) if implementation == "mlmkit" else 0.0
             per_chunk.append(len(st["layers"]) * layer + extra)
+            # Full recomputation: a layer's checkpointed input goes when its backward is done, the
+            # chunk's first (and the embedding's indices) last, after every layer kept its tensors for W.
+            first_dy.append(_split_backward_rise(model, s=s, b=b, t=t, sp=sp, post=st["post_process"],
+                                                 layers=len(st["layers"]), pr=pr, net_per_layer=held_for_w - layer)
+                            if st["layers"] and implementation == "mlmkit" else 0.0)
+            first_input.append((layer if st["layers"] else 0) + _stage_extra(
+                model, s=s, b=b, t=t, sp=sp, pre=st["pre_process"], post=False, layers=len(st["layers"]), pr=pr,
+                cp=cp, recompute="full") if full else 0.0)
             # Split backward: from B to W a microbatch keeps every linear's input and output gradient.
             per_chunk_w.append(len(st["layers"]) * held_for_w + _stage_weight_extra(
                 model, s=s, b=b, t=t, post=st["post_process"], pr=pr) if implementation == "mlmkit"
@@ -407,6 +470,9 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
             elif act.kind == "B":                 # full backward: everything freed
                 held -= per_chunk[act.chunk]
             elif act.kind == "I":                 # split backward: inputs and output gradients kept for W
+                peak = max(peak, held + first_dy[act.chunk])
+                if full:                          # everything retained, the first layer's input not yet freed
+                    peak = max(peak, held - per_chunk[act.chunk] + per_chunk_w[act.chunk] + first_input[act.chunk])
                 held += per_chunk_w[act.chunk] - per_chunk[act.chunk]
             else:                                 # W
                 held -= per_chunk_w[act.chunk]

@@ -6,14 +6,15 @@ decide gradient synchronisation), so that estimates of memory and communication 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from mlmkit.model.config import GPTConfig
 from mlmkit.topology import Topology
 
-__all__ = ["LocalParam", "local_parameters", "moe_parameter_counts", "shard_unit_sizes", "stage_layout",
-           "total_parameters"]
+__all__ = ["LocalParam", "local_parameters", "moe_kept_per_expert", "moe_parameter_counts", "shard_unit_sizes",
+           "stage_layout", "total_parameters"]
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,17 @@ def _moe_parameters(model: GPTConfig, topology: Topology, *, pre: str, ep_rank: 
         if model.bias:
             out.append(LocalParam(f"{name}.fc2.bias", h, None, expert=True))
     return out
+
+
+def moe_kept_per_expert(model: GPTConfig, tokens: float) -> float:
+    """Assignments one expert keeps from one rank's ``tokens`` tokens when routing is even (every
+    expert is chosen ``tokens * top_k / experts`` times, exact for ``moe_force_uniform``): all of
+    them, or with ``moe_capacity_factor`` at most the capacity ``ceil(factor * tokens * top_k /
+    experts)`` (the rule of :func:`mlmkit.moe.routing.capacity`); the rest are dropped."""
+    even = tokens * model.top_k / model.experts
+    if model.moe_capacity_factor is None:
+        return even
+    return min(even, math.ceil(model.moe_capacity_factor * tokens * model.top_k / model.experts))
 
 
 def moe_parameter_counts(model: GPTConfig) -> dict:

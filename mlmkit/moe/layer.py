@@ -210,7 +210,7 @@ class MoELayer(nn.Module):
         T, E, k = tokens.shape[0], cfg.experts, cfg.top_k
         logits = self.router(tokens)                                  # [T, E] fp32
         r = route(logits, top_k=k, score=cfg.moe_router, renormalize=cfg.moe_renormalize,
-                  force_uniform=cfg.moe_force_uniform)
+                  force_uniform=cfg.moe_force_uniform, scores_grad=cfg.moe_aux_loss_coeff > 0)
         weights, indices = r.weights, r.indices
         keep = None
         if cfg.moe_capacity_factor is not None:

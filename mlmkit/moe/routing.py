@@ -13,6 +13,7 @@ Switch, Fedus et al. 2021; Mixtral, Jiang et al. 2024; DeepSeek-V3 2024 for sigm
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple
 
@@ -38,19 +39,22 @@ def uniform_indices(tokens: int, top_k: int, experts: int, *, offset: int = 0, d
 
 
 def route(logits: torch.Tensor, *, top_k: int, score: str = "softmax", renormalize: bool = True,
-          force_uniform: bool = False, offset: int = 0) -> Routing:
+          force_uniform: bool = False, offset: int = 0, scores_grad: bool = True) -> Routing:
     """Choose ``top_k`` experts per token from router ``logits [T, E]`` (computed in fp32).
 
     softmax: ``p = softmax(logits)``, the ``k`` largest ``p``; sigmoid: ``s = sigmoid(logits)``, the
     ``k`` largest ``s``. Weights are those scores, divided by their sum when ``renormalize``.
-    ``force_uniform`` replaces the choice by :func:`uniform_indices` (weights still the router's)."""
+    ``force_uniform`` replaces the choice by :func:`uniform_indices` (weights still the router's).
+    ``scores_grad=False``: the sigmoid's normalised scores get no graph (no load-balancing loss
+    needs them; their division would otherwise save its ``[T, 1]`` divisor for nothing)."""
     logits = logits.float()
     if score == "softmax":
         s = logits.softmax(dim=-1)
         scores = s
     elif score == "sigmoid":
         s = torch.sigmoid(logits)
-        scores = s / s.sum(dim=-1, keepdim=True)
+        with contextlib.nullcontext() if scores_grad else torch.no_grad():
+            scores = s / s.sum(dim=-1, keepdim=True)
     else:
         raise ValueError(f"route: score={score!r}: expected 'softmax' or 'sigmoid'")
     if force_uniform:

@@ -11,8 +11,9 @@ On CPU there is no allocator to ask, so :class:`MemoryTracker` counts what train
 
 That is what a GPU would have to hold for these tensors, so a laptop run shows the same picture
 (without the allocator's caching and fragmentation, and without temporaries that are freed within
-one operation). On CUDA the rows also carry ``torch.cuda.memory_allocated``/``reserved`` and the
-peak since the previous row.
+one operation; nor the tensors a recomputed region re-creates in backward, which live under the
+checkpoint's own hooks: one layer's activations at a time, on top of the count). On CUDA the
+rows also carry ``torch.cuda.memory_allocated``/``reserved`` and the peak since the previous row.
 
 One row per schedule action (recorded by the executor): time, action, microbatch, and the bytes of
 each category at the end of the action, plus the activation peak during it.
