@@ -83,6 +83,49 @@ def test_bad_plan_input_names_the_value(kwargs, needle):
     assert needle in str(info.value)
 
 
+MOE = GPTConfig(vocab_size=32000, seq_len=1024, hidden=1024, heads=8, kv_heads=4, layers=8, ffn_hidden=2816,
+                norm="rmsnorm", mlp="swiglu", position="rope", bias=False, tie_embeddings=False, experts=8, top_k=2)
+
+
+@pytest.mark.parametrize("ep", [1, 2, 8])
+@pytest.mark.parametrize("zero", [0, 1])
+def test_expert_parallelism_shards_the_experts_state_as_the_estimator_does(ep, zero):
+    # Each GPU holds experts / ep whole experts; their gradients and ZeRO shards go over their own
+    # replicas (tp x cp x dp / ep), the dense parameters' over dp x cp. The planner's model state of
+    # the largest stage against mlmkit's exact estimator (checked against traced runs elsewhere).
+    from mlmkit.estimate import estimate_memory
+    from mlmkit.topology import Topology
+
+    layout = Layout(tp=2, pp=2, dp=4, ep=ep, zero=zero)
+    got = predict(MOE, GPUS["h100-sxm"], layout, global_batch_size=64)
+    est = estimate_memory(MOE, Topology(tp=2, pp=2, dp=4, ep=ep), micro_batch_size=1, microbatches=16,
+                          sequence_parallel=True, precision="bf16", zero=zero)
+    state = (est.parameters + est.gradients + est.optimizer).max()
+    assert got["state_bytes"] == pytest.approx(state, rel=1e-3), (ep, got["state_bytes"], state)
+
+
+def test_expert_parallelism_is_searched_and_validated():
+    table = plan(MOE, gpus=16, gpu="h100-sxm", global_batch_size=64)
+    assert set(table.ep) == {1, 2, 4, 8} and ((table.tp * table.cp * table.dp) % table.ep == 0).all()
+    one = table[(table.tp == 1) & (table.pp == 1) & (table.cp == 1) & (table.zero == 1)
+                & (table.recompute == "none") & (table.micro_batch_size == 1)].set_index("ep").sort_index()
+    assert len(one) == 4 and one.state_bytes.is_monotonic_decreasing
+    assert one.loc[8].state_bytes < one.loc[1].state_bytes / 3
+    assert one.loc[1].ep_comm_s == 0 < one.loc[2].ep_comm_s
+    assert set(plan(SMALL, gpus=64, gpu="h100-sxm", global_batch_size=256).ep) == {1}
+    with pytest.raises(ValueError, match="ep=2 but the model has no experts"):
+        plan(SMALL, gpus=64, gpu="h100-sxm", global_batch_size=256, ep=2)
+    with pytest.raises(ValueError, match=r"ep=3 does not divide experts=8; choose ep among \[1, 2, 4, 8\]"):
+        plan(MOE, gpus=16, gpu="h100-sxm", global_batch_size=64, ep=3)
+    with pytest.raises(ValueError, match="ep=8 does not divide tp x cp x dp = 4"):
+        predict(MOE, GPUS["h100-sxm"], Layout(tp=2, pp=4, dp=2, ep=8), global_batch_size=64)
+    # top-2 routing: every token is two rows through the experts, more activations than a dense MLP
+    dense = GPTConfig(**{**MOE.to_dict(), "experts": 0, "top_k": 1})
+    lay = Layout(tp=2, pp=2, dp=4)
+    assert predict(MOE, GPUS["h100-sxm"], lay, global_batch_size=64)["activation_bytes"] > \
+        1.5 * predict(dense, GPUS["h100-sxm"], lay, global_batch_size=64)["activation_bytes"]
+
+
 def test_custom_hardware_is_validated():
     with pytest.raises(ValueError, match="peak_tflops=0"):
         Hardware(name="x", peak_tflops=0, memory_bytes=1, hbm_bandwidth=1, intra_node_bandwidth=1, gpus_per_node=8,

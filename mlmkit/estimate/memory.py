@@ -134,8 +134,9 @@ def activation_bytes_per_layer(*, s: int, b: int, h: int, a: int, ffn: Optional[
                                ep: int = 1, expert_tp: int = 1) -> float:
     """Bytes one Transformer layer keeps for backward, per microbatch (module docstring).
 
-    ``moe``: the model, when its MLP is a mixture of experts (``implementation="mlmkit"``; tokens
-    routed evenly, :func:`moe_activation_bytes`), over ``ep`` x ``expert_tp`` ranks.
+    ``moe``: the model, when its MLP is a mixture of experts, tokens routed evenly: with
+    ``implementation="mlmkit"`` :func:`moe_activation_bytes` over ``ep`` x ``expert_tp`` ranks; with
+    ``"megatron"`` the experts' ``top_k`` rows per token replace the dense MLP's terms.
     ``attention``: "eager" (the paper's accounting; the softmax scores are kept), "sdpa"
     (``implementation="mlmkit"`` only: flash kernels keep no ``s x s`` scores when there is no
     attention dropout) or "ring" (ring attention under context parallelism: like flash, plus its
@@ -155,7 +156,7 @@ def activation_bytes_per_layer(*, s: int, b: int, h: int, a: int, ffn: Optional[
         return E * seq
     if implementation == "megatron":
         return _megatron_layer(s=s, b=b, h=h, a=a, kv=kv, ffn=ffn, t=t, sp=sp, E=E, M=M, mlp=mlp,
-                               selective=recompute == "selective", dropout=dropout)
+                               selective=recompute == "selective", dropout=dropout, moe=moe)
     T = s * b                                            # tokens of a microbatch
     Tr = T / t if sp else T                              # tokens of the replicated region on this rank
     d = h // a
@@ -282,8 +283,12 @@ def weight_grad_bytes_per_layer(*, s: int, b: int, h: int, a: int, ffn: Optional
     return E * (x + dy + x_dy)
 
 
-def _megatron_layer(*, s, b, h, a, kv, ffn, t, sp, E, M, mlp, selective, dropout) -> float:
-    # Korthikanti et al. 2022, section 4.1, term by term (E = 2, M = 1 gives their 34 + 5as/h).
+def _megatron_layer(*, s, b, h, a, kv, ffn, t, sp, E, M, mlp, selective, dropout, moe=None) -> float:
+    # Korthikanti et al. 2022, section 4.1, term by term (E = 2, M = 1 gives their 34 + 5as/h). A
+    # mixture of experts (whole experts on each rank, routed evenly) replaces the MLP's fc1 input and
+    # internals by its experts': each of this rank's tokens is top_k rows of fc1 input, internals of
+    # width moe_ffn and output kept for the weighted combine, plus the router's fp32 probabilities
+    # (Megatron-Core's all-to-all dispatcher); a shared expert is a dense MLP beside them.
     replicated = 1 / t if sp else 1.0                    # LayerNorm inputs, QKV and fc1 inputs, dropout masks
     sbh = s * b * h
     total = 2 * E * sbh * replicated                                    # two LayerNorm inputs
@@ -294,8 +299,16 @@ def _megatron_layer(*, s, b, h, a, kv, ffn, t, sp, E, M, mlp, selective, dropout
     if not selective:
         attn = a * s * s * b / t
         total += E * attn + (M * attn + E * attn if dropout else 0)     # softmax; dropout mask and output
-    total += E * sbh * replicated                                       # fc1 input
-    total += (2 if mlp == "gelu" else 4) * E * s * b * ffn / t         # activation input(s) and output(s)
+    if moe is None:
+        total += E * sbh * replicated                                   # fc1 input
+        total += (2 if mlp == "gelu" else 4) * E * s * b * ffn / t     # activation input(s) and output(s)
+    else:
+        rows = moe.top_k * s * b * replicated                           # expert rows on this rank
+        total += 2 * E * rows * h                                       # expert inputs and outputs
+        total += (2 if mlp == "gelu" else 4) * E * rows * moe.moe_ffn   # the experts' internals
+        total += 4 * s * b * replicated * moe.experts                   # router probabilities (fp32)
+        if moe.moe_shared_ffn_hidden:
+            total += E * sbh * replicated + (2 if mlp == "gelu" else 4) * E * s * b * moe.moe_shared_ffn_hidden / t
     total += M * sbh * replicated                                       # MLP dropout mask
     if not dropout:
         total -= 2 * M * sbh * replicated

@@ -92,8 +92,9 @@ def main(argv=None) -> int:
         return 0
     shown = table.assign(memory_gib=table.memory_per_gpu_bytes / 2**30, step_s=table.step_time_s,
                          mfu_pct=table.mfu * 100)
-    cols = ["tp", "cp", "pp", "dp", "chunks", "schedule", "micro_batch_size", "recompute", "zero", "memory_gib",
-            "fits", "step_s", "tokens_per_s", "model_tflops_per_gpu", "mfu_pct"]
+    cols = ["tp", "cp", "pp", "dp"] + (["ep"] if model.moe else []) + [
+        "chunks", "schedule", "micro_batch_size", "recompute", "zero", "memory_gib", "fits", "step_s", "tokens_per_s",
+        "model_tflops_per_gpu", "mfu_pct"]
     print(shown[cols].to_string(float_format=lambda x: f"{x:.4g}"))
     return 0
 

@@ -1,7 +1,8 @@
 """The search: every layout of a job that divides it, predicted and ranked (pure Python).
 
 :func:`plan` enumerates tensor (up to a node, dividing the heads), context, pipeline and data
-parallel degrees whose product is the GPU count, Megatron-LM's 1F1B and interleaved 1F1B
+parallel degrees whose product is the GPU count, for a mixture of experts the expert-parallel
+degrees (dividing the experts and a stage's ``tp x cp x dp`` ranks), Megatron-LM's 1F1B and interleaved 1F1B
 (2 or 4 chunks, when the microbatches allow them), micro-batch sizes, the three recomputation
 choices and ZeRO stages 1 and 3; constraints fix any of these. Each layout is predicted by
 :func:`mlmkit.plan.predict`; the table is ranked by tokens per second, layouts that do not fit
@@ -44,6 +45,16 @@ def search_space(model: GPTConfig, hw: Hardware, *, gpus: int, global_batch_size
         value = fixed.get(name)
         return [value] if value is not None else default
 
+    ep_given = fixed.get("ep")
+    if ep_given is not None and ep_given != 1:
+        if not model.moe:
+            raise ValueError(f"plan: ep={ep_given} but the model has no experts (experts=0); drop --ep or use a "
+                             f"mixture-of-experts model")
+        if model.experts % ep_given:
+            raise ValueError(f"plan: ep={ep_given} does not divide experts={model.experts}; choose ep among "
+                             f"{_divisors(model.experts)}")
+    # expert parallelism: whole experts over ep of a stage's tp x cp x dp ranks (mixtures of experts only)
+    eps = options("ep", _divisors(model.experts) if model.moe and hw.runtime != "mlmkit" else [1])
     out = []
     tps = [t for t in options("tp", _divisors(hw.gpus_per_node)) if model.heads % t == 0 and gpus % t == 0]
     for t in tps:
@@ -70,9 +81,12 @@ def search_space(model: GPTConfig, hw: Hardware, *, gpus: int, global_batch_size
                             continue
                         for rc in options("recompute", ["none", "selective", "full"]):
                             for zero in options("zero", [1, 3] if d * cp > 1 else [1]):
-                                out.append(Layout(tp=t, cp=cp, pp=p, dp=d, ep=fixed.get("ep") or 1, chunks=v,
-                                                  schedule=sched, micro_batch_size=b, recompute=rc, zero=zero,
-                                                  sequence_parallel=fixed.get("sequence_parallel", True)))
+                                for ep in eps:
+                                    if (t * cp * d) % ep:
+                                        continue
+                                    out.append(Layout(tp=t, cp=cp, pp=p, dp=d, ep=ep, chunks=v, schedule=sched,
+                                                      micro_batch_size=b, recompute=rc, zero=zero,
+                                                      sequence_parallel=fixed.get("sequence_parallel", True)))
     return out
 
 

@@ -18,8 +18,9 @@ recomputation) of ``model`` on ``gpus`` accelerators of one :class:`~mlmkit.plan
   1F1B ``(p - 1) (F + B)`` and of interleaved 1F1B ``(p - 1) (F + B) / v`` with the slowest stage's
   costs (``simulate`` gives the same for these costs: tests check it);
 - **data parallelism**: the gradient all-reduce (ZeRO-1/2: reduce-scatter plus all-gather, the same
-  bytes) overlapped with the backward of the last microbatch, as Megatron-LM's bucketed overlap
-  does; ZeRO-3's per-layer parameter all-gathers overlapped with each layer's compute;
+  bytes; the experts' over their expert-dp replicas) overlapped with the backward of the last
+  microbatch, as Megatron-LM's bucketed overlap does; ZeRO-3's per-layer parameter all-gathers
+  overlapped with each layer's compute;
 - **memory-bound work**: the element-wise operations between the GEMMs and, without a fused
   (flash) attention, the ``[b, a/t, s, s]`` attention scores, as HBM traffic
   (``ELEMENTWISE_PASSES``, ``MLP_PASSES``, ``SCORE_PASSES``);
@@ -29,10 +30,12 @@ Model FLOPs are Megatron-LM's (``3 x`` forward, no recomputation: :func:`~mlmkit
 MFU = model FLOP/s per GPU over the peak; hardware FLOPs add what recomputation reruns.
 
 Memory per GPU (the largest pipeline stage): model state from :func:`~mlmkit.estimate.bytes_per_parameter`
-(bf16 mixed precision, the ZeRO stage's sharding) and activations from the paper's per-layer
-formula (:func:`~mlmkit.estimate.activation_bytes_per_layer`, ``implementation="megatron"``, with
-the model's own dropout), times the microbatches in flight on the first stage (1F1B: ``p``;
-interleaved: ``p (1 + (p - 1) / (p v))``, Korthikanti et al. 2022), plus an allowance: 5% for
+(bf16 mixed precision, the ZeRO stage's sharding; a mixture of experts' experts split over ``ep``,
+their gradients and shards over their own ``tp x cp x dp / ep`` replicas) and activations from the
+paper's per-layer formula (:func:`~mlmkit.estimate.activation_bytes_per_layer`,
+``implementation="megatron"``, with the model's own dropout; experts: ``top_k`` rows per token),
+times the microbatches in flight on the first stage (1F1B: ``p``; interleaved:
+``p (1 + (p - 1) / (p v))``, Korthikanti et al. 2022), plus an allowance: 5% for
 fragmentation and the hardware's ``framework_bytes`` (GPUs: 2 GiB for the CUDA context, NCCL and
 workspaces; ``local-cpu``: a rank's measured resident set before any model).
 
@@ -99,10 +102,38 @@ class Layout:
 
 @functools.lru_cache(maxsize=4096)
 def _stage_parameters(model: GPTConfig, t: int, p: int, v: int, sp: bool) -> int:
-    """Parameters of the largest pipeline stage (first or last: embedding, head), per GPU."""
+    """Parameters of the largest pipeline stage (first or last: embedding, head), per GPU, every
+    expert included (``ep = 1``; :func:`_stage_split` divides them over ``ep``)."""
+    return sum(_stage_split(model, t, p, v, sp, 1))
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_split(model: GPTConfig, t: int, p: int, v: int, sp: bool, ep: int) -> tuple:
+    """``(dense, expert)`` parameters per GPU of the largest pipeline stage (first or last), the
+    experts split over ``ep`` ranks (whole experts, ``expert_tp = 1``)."""
     topo = Topology(tp=t, pp=p)
-    return max(sum(q.numel for q in local_parameters(model, topo, pp_rank=r, chunks=v, sequence_parallel=sp))
-               for r in {0, p - 1})
+    best = (0, 0)
+    for r in {0, p - 1}:
+        params = local_parameters(model, topo, pp_rank=r, chunks=v, sequence_parallel=sp)
+        expert = sum(q.numel for q in params if q.expert) // ep
+        dense = sum(q.numel for q in params if not q.expert)
+        best = max(best, (dense, expert), key=sum)
+    return best
+
+
+def _check_experts(model: GPTConfig, L: "Layout") -> int:
+    """Validate ``L.ep`` for ``model``; return the experts' data-parallel replicas (expert-dp)."""
+    if L.ep == 1:
+        return L.tp * L.cp * L.dp
+    if not model.moe:
+        raise ValueError(f"ep={L.ep}: the model has no experts (experts=0); use ep=1 or a mixture-of-experts model")
+    if model.experts % L.ep:
+        raise ValueError(f"ep={L.ep} does not divide experts={model.experts}; choose ep among "
+                         f"{[e for e in range(1, model.experts + 1) if model.experts % e == 0]}")
+    if (L.tp * L.cp * L.dp) % L.ep:
+        raise ValueError(f"ep={L.ep} does not divide tp x cp x dp = {L.tp * L.cp * L.dp}, the ranks of a stage that "
+                         f"share the experts (Megatron-Core's expert grid); change ep or dp")
+    return L.tp * L.cp * L.dp // L.ep
 
 
 @functools.lru_cache(maxsize=4096)
@@ -261,6 +292,7 @@ def predict(model: GPTConfig, hw: Hardware, layout: Layout, *, global_batch_size
     if s % cp:
         raise ValueError(f"seq_len={s} is not a multiple of cp={cp}")
     sp = L.sequence_parallel and t > 1
+    expert_dp = _check_experts(model, L)
     E = 2 if hw.precision == "bf16" else 4                    # bytes of activations and parameters
     peak = hw.peak_tflops * 1e12
     eff = hw.compute_efficiency(h / t)
@@ -304,19 +336,21 @@ def predict(model: GPTConfig, hw: Hardware, layout: Layout, *, global_batch_size
     Fs, Bs = max(F, F_last), max(B, B_last)
     busy, bubble = pipeline_time(Fs, Bs, microbatches=m, stages=p, chunks=v)
     # data parallelism and the optimizer
-    n_stage = _stage_parameters(model, t, p, v, sp)
+    # experts: split over ep, their gradients reduced over their own replicas (expert-dp, strided by ep)
+    dense, expert = _stage_split(model, t, p, v, sp, L.ep)
+    n_stage = dense + expert
     replicas = d * cp
-    grad_bytes = n_stage * 4
-    dp_bw = hw.link(replicas, t)
-    reduce = _ring("all_reduce", grad_bytes, replicas, dp_bw, hw.latency_s)
+    dp_bw, edp_bw = hw.link(replicas, t), hw.link(expert_dp, L.ep)
+    op = "reduce_scatter" if L.zero == 3 else "all_reduce"
+    reduce = (_ring(op, dense * 4, replicas, dp_bw, hw.latency_s)
+              + _ring(op, expert * 4, expert_dp, edp_bw, hw.latency_s))
     zero3_exposed = 0.0
     if L.zero == 3 and replicas > 1:
-        layer_params = n_stage / lp
-        gather = _ring("all_gather", layer_params * E, replicas, dp_bw, hw.latency_s)
+        gather = (_ring("all_gather", dense / lp * E, replicas, dp_bw, hw.latency_s)
+                  + _ring("all_gather", expert / lp * E, expert_dp, edp_bw, hw.latency_s))
         zero3_exposed = m * lp * (max(0.0, gather - f_layer) + max(0.0, gather - b_layer))
-        reduce = _ring("reduce_scatter", grad_bytes, replicas, dp_bw, hw.latency_s)
     dp_exposed = max(0.0, reduce - Bs / max(1, m) * 1.0) + zero3_exposed
-    local = n_stage / (replicas if L.zero >= 1 else 1)
+    local = dense / (replicas if L.zero >= 1 else 1) + expert / (expert_dp if L.zero >= 1 else 1)
     optimizer = local * ADAM_BYTES_PER_PARAM / hw.hbm_bandwidth
     step = busy + bubble + dp_exposed + optimizer
     breakdown = {"compute_s": m * (lp * (f_layer + b_layer) + 3 * head), "tp_comm_s": m * lp * (tp_f + tp_b),
@@ -332,7 +366,8 @@ def predict(model: GPTConfig, hw: Hardware, layout: Layout, *, global_batch_size
     model_tflops = tr["model"] * total_tokens / step / n / 1e12
     hw_tflops = tr["hardware"] * total_tokens / step / n / 1e12
     # memory of the largest stage
-    state = n_stage * bytes_per_parameter(precision=hw.precision, zero=L.zero, dp=replicas)
+    state = (dense * bytes_per_parameter(precision=hw.precision, zero=L.zero, dp=replicas)
+             + expert * bytes_per_parameter(precision=hw.precision, zero=L.zero, dp=expert_dp))
     if L.zero == 3:
         state += 2 * (n_stage / lp) * E                        # two layers gathered at a time
     # a fused (flash) attention keeps no [s, s] scores: the paper's selective-recomputation count
@@ -340,7 +375,7 @@ def predict(model: GPTConfig, hw: Hardware, layout: Layout, *, global_batch_size
     per_layer_act = activation_bytes_per_layer(
         s=s // cp, b=b, h=h, a=model.heads, ffn=model.ffn, t=t, sequence_parallel=sp, recompute=kept,
         dropout=model.dropout > 0, precision=hw.precision, implementation="megatron", kv_heads=model.num_kv_heads,
-        mlp=model.mlp, norm=model.norm, rope=model.position == "rope")
+        mlp=model.mlp, norm=model.norm, rope=model.position == "rope", moe=model if model.moe else None)
     inflight = min(m, p) if v == 1 else p * (1 + (p - 1) / (p * v))
     activations = per_layer_act * lp * inflight
     memory = (state + activations) * FRAGMENTATION + hw.framework_bytes
