@@ -237,6 +237,8 @@ def test_mlmkit_runtime_prices_what_the_trainer_waits_for():
     assert faster["compute_s"] == pytest.approx(pred["dp4"]["compute_s"] / 2)
     with pytest.raises(ValueError, match="context or expert"):
         predict(QUICK, hw, Layout(cp=2, dp=2), global_batch_size=16)
+    with pytest.raises(ValueError, match=r"does not cover mixtures of experts yet \(experts=4\)"):
+        predict(GPTConfig(**{**QUICK.to_dict(), "experts": 4, "top_k": 2}), hw, Layout(dp=4), global_batch_size=16)
     table = plan(QUICK, gpus=4, gpu=hw, global_batch_size=16)
     assert set(table.cp) == {1} and (table.tp * table.pp * table.dp == 4).all()
     assert table.memory_per_gpu_bytes.max() < 2**30        # the framework allowance is the rank's, not a GPU's

@@ -187,6 +187,9 @@ def _predict_mlmkit(model: GPTConfig, hw: Hardware, L: Layout, *, m: int, s: int
     if cp > 1 or L.ep > 1:
         raise ValueError(f"{hw.name}: the time model of mlmkit's own runtime does not cover context or expert "
                          f"parallelism yet (cp={cp}, ep={L.ep}); plan with cp=1 and ep=1 here")
+    if model.moe:   # its operator counts are a dense layer's: the router, permutation and expert loop are not
+        raise ValueError(f"{hw.name}: the time model of mlmkit's own runtime does not cover mixtures of experts "
+                         f"yet (experts={model.experts}); plan a dense model here, or a GPU preset")
     E = 4 if hw.precision == "fp32" else 2
     sp = L.sequence_parallel and t > 1
     h, layers = model.hidden, model.layers
