@@ -323,7 +323,7 @@ def _stage_weight_extra(model: GPTConfig, *, s: int, b: int, t: int, post: bool,
 
 
 def _split_backward_rise(model: GPTConfig, *, s: int, b: int, t: int, sp: bool, post: bool, layers: int,
-                         pr: Precision, net_per_layer: float) -> float:
+                         pr: Precision, net_per_layer: float, mean_loss: bool = False) -> float:
     """How far a split backward's I rises above what its chunk held before it (a transient the
     action's two ends miss). Walking a layer back from its output, the first thing kept for W is
     fc2's output gradient (``[s, b, h]``, gathered with SP), freed before it only a dropout mask; the
@@ -349,12 +349,12 @@ def _split_backward_rise(model: GPTConfig, *, s: int, b: int, t: int, sp: bool, 
     rise = peak + max(0.0, (layers - 1) * net_per_layer)
     if post:
         vocab = model.padded_vocab(t) / t
-        rise += E * T * vocab - (4 * T * vocab + 8 * T + 2 * T) - norm   # the loss's tensors, final norm
+        rise += E * T * vocab - (4 * T * vocab + 8 * T + 2 * T + (8 if mean_loss else 0)) - norm  # loss, final norm
     return max(rise, 0.0)
 
 
 def _stage_extra(model: GPTConfig, *, s: int, b: int, t: int, sp: bool, pre: bool, post: bool, layers: int,
-                 pr: Precision, cp: int = 1, recompute: str = "none") -> float:
+                 pr: Precision, cp: int = 1, recompute: str = "none", mean_loss: bool = False) -> float:
     # mlmkit's first/last-stage activations outside the layers (see module docstring); s: this
     # rank's tokens (s / cp).
     E, h = pr.activation, model.hidden
@@ -374,6 +374,8 @@ def _stage_extra(model: GPTConfig, *, s: int, b: int, t: int, sp: bool, pre: boo
         extra += E * s * b * h                                    # head input (gathered with SP)
         extra += 4 * s * b * model.padded_vocab(t) / t            # fp32 softmax over the local vocabulary
         extra += 8 * s * b + 2 * s * b                            # targets (int64), two bool masks
+        if mean_loss:
+            extra += 8                                            # the microbatch's target count (int64)
     return extra
 
 
@@ -382,7 +384,7 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
                     recompute: Union[bool, str] = False, zero1: bool = False, precision: Optional[str] = None,
                     implementation: str = "mlmkit", layers_per_stage: Optional[Sequence[int]] = None,
                     microbatch_group: Optional[int] = None, zero: Optional[int] = None, prefetch: int = 0,
-                    reshard_after_forward: bool = True):
+                    reshard_after_forward: bool = True, per_token_loss: bool = True):
     """Estimated bytes per rank as a DataFrame indexed by rank.
 
     Columns: ``parameters``, ``gradients``, ``optimizer``, ``activations`` (peak over the step),
@@ -394,6 +396,7 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
     most that is gathered at once (the chunk's root and ``1 + prefetch`` layers, or every unit
     with ``reshard_after_forward=False``); gradients are whole until a layer's last backward of the
     step has passed, then an fp32 shard (whole until the update under a split backward).
+    ``per_token_loss=False`` (the mean of the microbatches' means) keeps each microbatch's target count.
     """
     import pandas as pd
 
@@ -461,14 +464,15 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
         for st in stage_layout(model, topology, pp_rank=c.pp, chunks=chunks, layers_per_stage=layers_per_stage,
                                placement=placement):
             extra = _stage_extra(model, s=s, b=b, t=t, sp=sp, pre=st["pre_process"], post=st["post_process"],
-                                 layers=len(st["layers"]), pr=pr, cp=cp,
-                                 recompute=_recompute(recompute)) if implementation == "mlmkit" else 0.0
+                                 layers=len(st["layers"]), pr=pr, cp=cp, recompute=_recompute(recompute),
+                                 mean_loss=not per_token_loss) if implementation == "mlmkit" else 0.0
             per_chunk.append(len(st["layers"]) * layer + extra)
+            first_dy.append(_split_backward_rise(model, s=s, b=b, t=t, sp=sp, post=st["post_process"],
+                                                 layers=len(st["layers"]), pr=pr, net_per_layer=held_for_w - layer,
+                                                 mean_loss=not per_token_loss)
+                            if st["layers"] and implementation == "mlmkit" else 0.0)
             # Full recomputation: a layer's checkpointed input goes when its backward is done, the
             # chunk's first (and the embedding's indices) last, after every layer kept its tensors for W.
-            first_dy.append(_split_backward_rise(model, s=s, b=b, t=t, sp=sp, post=st["post_process"],
-                                                 layers=len(st["layers"]), pr=pr, net_per_layer=held_for_w - layer)
-                            if st["layers"] and implementation == "mlmkit" else 0.0)
             first_input.append((layer if st["layers"] else 0) + _stage_extra(
                 model, s=s, b=b, t=t, sp=sp, pre=st["pre_process"], post=False, layers=len(st["layers"]), pr=pr,
                 cp=cp, recompute="full") if full else 0.0)
@@ -546,4 +550,4 @@ def estimate_train_memory(config, *, implementation: str = "mlmkit"):
                            sequence_parallel=config.sequence_parallel, recompute=config.recompute,
                            zero=config.zero, precision=config.precision, implementation=implementation,
                            microbatch_group=config.microbatch_group, prefetch=config.prefetch,
-                           reshard_after_forward=config.reshard_after_forward)
+                           reshard_after_forward=config.reshard_after_forward, per_token_loss=config.per_token_loss)
