@@ -122,7 +122,11 @@ class GPTConfig:
     moe_capacity_factor: Optional[float] = None
     """``None``: dropless (every token reaches its experts, Megatron-Core's default). Else each rank
     lets each expert take at most ``ceil(capacity_factor * tokens * top_k / experts)`` of its
-    tokens; the rest are dropped (counted) and pass through the residual only."""
+    tokens; the rest are dropped (counted) and pass through the residual only. The capacity is per
+    rank, as in Megatron-Core: layouts that split a microbatch's tokens differently (tensor
+    parallelism with sequence parallelism, context parallelism, the micro-batch size) drop different
+    tokens, so only layouts that split them alike (pipeline, data and expert parallelism) give the
+    serial model's numbers; a checkpoint resumed across such a change continues with other drops."""
     moe_drop_policy: str = "probs"
     """With a capacity: which tokens an over-full expert keeps, the highest router weights
     (``"probs"``) or the first in sequence order (``"position"``)."""
