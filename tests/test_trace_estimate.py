@@ -114,6 +114,36 @@ def test_activation_peaks_inside_actions_are_exact():
         assert (table.measured == table.estimated).all(), (name, table[table.measured != table.estimated])
 
 
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_flops_per_token_equal_torchs_count(recompute):
+    # torch's FlopCounterMode counts every matmul of a forward and backward (recomputed ones too).
+    # Eager attention: on CPU it does not count scaled_dot_product_attention's kernel. The formula
+    # counts the attention over the full sequence, as the eager matmuls do (Megatron-LM's convention).
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from mlmkit.estimate import forward_flops_per_token, training_flops_per_token
+    from mlmkit.model.config import moe_config
+    from mlmkit.model.gpt import GPT
+
+    models = {"gpt2-odd-vocab": GPTConfig(vocab_size=250, seq_len=16, hidden=32, heads=4, layers=2, attention="eager"),
+              "llama-gqa": llama_config(seq_len=16, hidden=32, heads=4, kv_heads=2, layers=2, ffn_hidden=64,
+                                        attention="eager"),
+              "moe-top2-shared": moe_config(seq_len=16, hidden=32, heads=4, kv_heads=2, ffn_hidden=64,
+                                            moe_shared_ffn_hidden=32, moe_force_uniform=True, attention="eager")}
+    for name, cfg in models.items():
+        torch.manual_seed(0)
+        model = GPT(cfg, recompute=recompute)
+        x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
+        with FlopCounterMode(display=False) as forward:
+            loss = model(x, x)
+        with FlopCounterMode(display=False) as backward:
+            loss.backward()
+        tokens = x.numel()
+        assert forward.get_total_flops() == forward_flops_per_token(cfg)["total"] * tokens, name
+        assert forward.get_total_flops() + backward.get_total_flops() == \
+            training_flops_per_token(cfg, recompute=recompute)["hardware"] * tokens, name
+
+
 def test_chrome_trace_holds_every_rank(traced, tmp_path):
     _, traces = traced
     path = to_chrome_trace(traces, str(tmp_path / "trace.json"))
