@@ -124,6 +124,12 @@ def test_expert_parallelism_is_searched_and_validated():
     lay = Layout(tp=2, pp=2, dp=4)
     assert predict(MOE, GPUS["h100-sxm"], lay, global_batch_size=64)["activation_bytes"] > \
         1.5 * predict(dense, GPUS["h100-sxm"], lay, global_batch_size=64)["activation_bytes"]
+    from mlmkit.estimate import estimate_memory      # the same formula behind estimate_memory's "megatron"
+    from mlmkit.topology import Topology
+
+    acts = [estimate_memory(m, Topology(dp=2, ep=2 if m.moe else 1), micro_batch_size=1, microbatches=2,
+                            precision="bf16", implementation="megatron").activations.max() for m in (MOE, dense)]
+    assert acts[0] > 1.5 * acts[1]
 
 
 def test_custom_hardware_is_validated():

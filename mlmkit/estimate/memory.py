@@ -453,7 +453,7 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
             s=s, b=b, h=model.hidden, a=model.heads, ffn=model.ffn, t=t, sequence_parallel=sp, recompute=recompute,
             dropout=model.dropout > 0, precision=pr, implementation=implementation, kv_heads=model.num_kv_heads,
             mlp=model.mlp, norm=model.norm, rope=model.position == "rope", attention=attention,
-            moe=model if (model.moe and implementation == "mlmkit") else None, ep=topology.ep,
+            moe=model if model.moe else None, ep=topology.ep,
             expert_tp=topology.expert_tp)
         held_for_w = weight_grad_bytes_per_layer(
             s=s, b=b, h=model.hidden, a=model.heads, ffn=model.ffn, t=t, sequence_parallel=sp, precision=pr,
