@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 from mlmkit.model.config import GPTConfig
 from mlmkit.plan.hardware import Hardware, hardware
-from mlmkit.plan.timing import Layout, predict
+from mlmkit.plan.timing import Layout, check_ep, divisors, predict
 
 __all__ = ["COLUMNS", "plan", "search_space"]
 
@@ -30,10 +30,6 @@ _CONSTRAINTS = ("tp", "cp", "pp", "dp", "ep", "chunks", "schedule", "micro_batch
                 "sequence_parallel")
 
 
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
-
-
 def search_space(model: GPTConfig, hw: Hardware, *, gpus: int, global_batch_size: int, seq_len: int,
                  **fixed) -> list[Layout]:
     """The layouts :func:`plan` predicts (module docstring); ``fixed``: constraints."""
@@ -45,25 +41,19 @@ def search_space(model: GPTConfig, hw: Hardware, *, gpus: int, global_batch_size
         value = fixed.get(name)
         return [value] if value is not None else default
 
-    ep_given = fixed.get("ep")
-    if ep_given is not None and ep_given != 1:
-        if not model.moe:
-            raise ValueError(f"plan: ep={ep_given} but the model has no experts (experts=0); drop --ep or use a "
-                             f"mixture-of-experts model")
-        if model.experts % ep_given:
-            raise ValueError(f"plan: ep={ep_given} does not divide experts={model.experts}; choose ep among "
-                             f"{_divisors(model.experts)}")
+    if fixed.get("ep") is not None:
+        check_ep(model, fixed["ep"])
     # expert parallelism: whole experts over ep of a stage's tp x cp x dp ranks (mixtures of experts only)
-    eps = options("ep", _divisors(model.experts) if model.moe and hw.runtime != "mlmkit" else [1])
+    eps = options("ep", divisors(model.experts) if model.moe and hw.runtime != "mlmkit" else [1])
     out = []
-    tps = [t for t in options("tp", _divisors(hw.gpus_per_node)) if model.heads % t == 0 and gpus % t == 0]
+    tps = [t for t in options("tp", divisors(hw.gpus_per_node)) if model.heads % t == 0 and gpus % t == 0]
     for t in tps:
         # mlmkit's own runtime (local-cpu) is modelled without context parallelism
         cps = [1] if hw.runtime == "mlmkit" else [c for c in (1, 2, 4, 8, 16) if seq_len % (2 * c) == 0 or c == 1]
         for cp in options("cp", cps):
             if gpus % (t * cp):
                 continue
-            for p in options("pp", _divisors(gpus // (t * cp))):
+            for p in options("pp", divisors(gpus // (t * cp))):
                 if p > model.layers or gpus % (t * cp * p):
                     continue
                 d = gpus // (t * cp * p)

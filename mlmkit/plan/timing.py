@@ -121,15 +121,24 @@ def _stage_split(model: GPTConfig, t: int, p: int, v: int, sp: bool, ep: int) ->
     return best
 
 
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def check_ep(model: GPTConfig, ep: int) -> None:
+    """Raise ValueError, naming the fix, if ``model``'s experts cannot be split over ``ep`` ranks."""
+    if ep == 1:
+        return
+    if not model.moe:
+        raise ValueError(f"ep={ep} but the model has no experts (experts=0); drop --ep (ep=1) or use a "
+                         f"mixture-of-experts model")
+    if model.experts % ep:
+        raise ValueError(f"ep={ep} does not divide experts={model.experts}; choose ep among {divisors(model.experts)}")
+
+
 def _check_experts(model: GPTConfig, L: "Layout") -> int:
     """Validate ``L.ep`` for ``model``; return the experts' data-parallel replicas (expert-dp)."""
-    if L.ep == 1:
-        return L.tp * L.cp * L.dp
-    if not model.moe:
-        raise ValueError(f"ep={L.ep}: the model has no experts (experts=0); use ep=1 or a mixture-of-experts model")
-    if model.experts % L.ep:
-        raise ValueError(f"ep={L.ep} does not divide experts={model.experts}; choose ep among "
-                         f"{[e for e in range(1, model.experts + 1) if model.experts % e == 0]}")
+    check_ep(model, L.ep)
     if (L.tp * L.cp * L.dp) % L.ep:
         raise ValueError(f"ep={L.ep} does not divide tp x cp x dp = {L.tp * L.cp * L.dp}, the ranks of a stage that "
                          f"share the experts (Megatron-Core's expert grid); change ep or dp")
