@@ -129,7 +129,13 @@ def run(quick: bool = False) -> list[Row]:
     for d in comparison().to_dict("records"):
         ok = abs(d["ratio"] - 1) <= 0.15
         choice = d["planner's choice"]
-        note = f"{d['flops']} FLOP/s; planner's choice: {choice}; {d['source']}"
+        note = f"{d['flops']} FLOP/s; planner's choice: {choice}"
+        if d.get("without recomputation TFLOP/s") == d.get("without recomputation TFLOP/s"):     # not NaN
+            bare = d["without recomputation TFLOP/s"]
+            note += (f"; without recomputation {bare:.1f} TFLOP/s ({bare / float(d['published TFLOP/s']):.2f}x), "
+                     f"{d['without recomputation GiB']:.0f} GiB per GPU by the memory model"
+                     f"{'' if d['without recomputation fits'] else ' (does not fit)'}")
+        note += f"; {d['source']}"
         rows.append(Row(f"planner vs published: {d['result']}", f"{d['gpus']} x {d['gpu']}, {d['layout']}",
                         d["predicted TFLOP/s"], float(d["published TFLOP/s"]), "TFLOP/s/GPU", "within 15%", ok,
                         note=note))

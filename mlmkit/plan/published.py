@@ -51,10 +51,19 @@ def comparison():
                      flash_attention=flash, **constraints)
         best = table.iloc[0]
         predicted = best[f"{kind}_tflops_per_gpu"]
+        # When the planner recomputes only because its memory model finds no room (the report does not
+        # say), its time model is also shown without recomputation, and the memory that would take.
+        free = {}
+        if best["recompute"] != "none" and "recompute" not in constraints:
+            bare = plan(model, gpus=gpus, gpu=gpu, global_batch_size=batch, seq_len=seq, tp=tp, cp=cp, pp=pp,
+                        flash_attention=flash, recompute="none").iloc[0]
+            free = {"without recomputation TFLOP/s": round(float(bare[f"{kind}_tflops_per_gpu"]), 1),
+                    "without recomputation GiB": round(float(bare["memory_per_gpu_bytes"]) / 2**30, 1),
+                    "without recomputation fits": bool(bare["fits"])}
         out.append({"result": name, "gpus": gpus, "gpu": gpu, "layout": f"tp{tp} cp{cp} pp{pp} dp{gpus // (tp * cp * pp)}",
                     "published TFLOP/s": published, "predicted TFLOP/s": round(float(predicted), 1),
                     "ratio": float(predicted) / published, "flops": kind, "fits": bool(best["fits"]),
                     "planner's choice": f"mbs {best['micro_batch_size']}, {best['schedule']} v{best['chunks']}, "
                                         f"recompute {best['recompute']}, zero {best['zero']}",
-                    "source": source})
+                    "source": source, **free})
     return pd.DataFrame(out)
