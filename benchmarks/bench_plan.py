@@ -20,6 +20,7 @@ them in the measured order.
 
 from __future__ import annotations
 
+import math
 import time
 
 from benchmarks.common import Row
@@ -130,8 +131,8 @@ def run(quick: bool = False) -> list[Row]:
         ok = abs(d["ratio"] - 1) <= 0.15
         choice = d["planner's choice"]
         note = f"{d['flops']} FLOP/s; planner's choice: {choice}"
-        if d.get("without recomputation TFLOP/s") == d.get("without recomputation TFLOP/s"):     # not NaN
-            bare = d["without recomputation TFLOP/s"]
+        bare = d.get("without recomputation TFLOP/s")          # NaN (or absent) where it did not recompute
+        if bare is not None and not math.isnan(bare):
             note += (f"; without recomputation {bare:.1f} TFLOP/s ({bare / float(d['published TFLOP/s']):.2f}x), "
                      f"{d['without recomputation GiB']:.0f} GiB per GPU by the memory model"
                      f"{'' if d['without recomputation fits'] else ' (does not fit)'}")
