@@ -67,10 +67,24 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def _cpu() -> str:
+    """The processor's model name and the vector units that change GEMM speed (Linux; else the
+    architecture): results of different hosts are not comparable row by row."""
+    try:
+        info = open("/proc/cpuinfo").read()
+    except OSError:
+        return platform.processor() or platform.machine()
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                 platform.machine())
+    flags = next((set(line.split(":", 1)[1].split()) for line in info.splitlines() if line.startswith("flags")), set())
+    units = [name for flag, name in (("avx2", "AVX2"), ("avx512f", "AVX-512"), ("amx_tile", "AMX")) if flag in flags]
+    return f"{model}; {', '.join(units) or 'no AVX2'}"
+
+
 def machine() -> str:
     import torch
 
-    return (f"{os.cpu_count()} cores ({platform.processor() or platform.machine()}), torch {torch.__version__}, "
+    return (f"{os.cpu_count()} cores ({_cpu()}), torch {torch.__version__}, "
             f"Python {platform.python_version()}, {'CUDA' if torch.cuda.is_available() else 'CPU only'}")
 
 
