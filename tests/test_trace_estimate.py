@@ -102,6 +102,14 @@ PEAKS = {
     "llama-dropout-zbv-full": dict(model=llama_config(seq_len=16, hidden=32, heads=4, kv_heads=2, layers=4,
                                                       ffn_hidden=64, dropout=0.1),
                                    schedule="zb-v", chunks=2, recompute="full"),
+    # A padded vocabulary: the loss keeps a bool mask of the padded columns on the tp rank whose slice
+    # has them (259 -> 260 over tp=2, 300 -> 384: the second rank only), one per microbatch in flight
+    # (GPipe: all four) and freed inside a split backward before the head's output gradient is kept.
+    "gpt2-padded-vocab-gpipe": dict(model=GPTConfig(vocab_size=259, seq_len=16, hidden=32, heads=4, layers=2),
+                                    schedule="gpipe"),
+    "llama-padded-vocab-zbh1": dict(model=llama_config(vocab_size=300, make_vocab_size_divisible_by=64, seq_len=16,
+                                                       hidden=32, heads=4, kv_heads=2, layers=2, ffn_hidden=64),
+                                    schedule="zb-h1"),
 }
 
 

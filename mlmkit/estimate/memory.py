@@ -42,7 +42,9 @@ difference from the paper, measured by the saved-tensor hooks of :mod:`mlmkit.tr
   keeps the causal mask (``s^2`` bytes) and the fp32 softmax (plus its bf16 copy in bf16), and with
   grouped-query heads the keys and values repeated for every query head;
 - the first and last stages hold the embedding's indices and the loss's fp32 softmax over the
-  (local) vocabulary;
+  (local) vocabulary; where a rank's slice of the vocabulary has padded columns (a vocabulary
+  padded to ``make_vocab_size_divisible_by`` times tp), the loss also keeps their bool mask
+  (``V/t`` bytes per microbatch);
 - context parallelism (cp): every term counts this rank's ``s/cp`` tokens; ring attention keeps,
   like flash kernels, no scores but an fp32 log-sum-exp per query, plus its own output (the
   projection's input is a reordered copy); ZeRO-1 shards over the ``dp x cp`` replicas.
@@ -323,7 +325,8 @@ def _stage_weight_extra(model: GPTConfig, *, s: int, b: int, t: int, post: bool,
 
 
 def _split_backward_rise(model: GPTConfig, *, s: int, b: int, t: int, sp: bool, post: bool, layers: int,
-                         pr: Precision, net_per_layer: float, mean_loss: bool = False) -> float:
+                         pr: Precision, net_per_layer: float, mean_loss: bool = False,
+                         pad_mask: float = 0.0) -> float:
     """How far a split backward's I rises above what its chunk held before it (a transient the
     action's two ends miss). Walking a layer back from its output, the first thing kept for W is
     fc2's output gradient (``[s, b, h]``, gathered with SP), freed before it only a dropout mask; the
@@ -349,14 +352,15 @@ def _split_backward_rise(model: GPTConfig, *, s: int, b: int, t: int, sp: bool, 
     rise = peak + max(0.0, (layers - 1) * net_per_layer)
     if post:
         vocab = model.padded_vocab(t) / t
-        rise += E * T * vocab - (4 * T * vocab + 8 * T + 2 * T + (8 if mean_loss else 0)) - norm  # loss, final norm
+        rise += E * T * vocab - (4 * T * vocab + 8 * T + 2 * T + (8 if mean_loss else 0) + pad_mask) - norm  # loss, norm
     return max(rise, 0.0)
 
 
 def _stage_extra(model: GPTConfig, *, s: int, b: int, t: int, sp: bool, pre: bool, post: bool, layers: int,
-                 pr: Precision, cp: int = 1, recompute: str = "none", mean_loss: bool = False) -> float:
+                 pr: Precision, cp: int = 1, recompute: str = "none", mean_loss: bool = False,
+                 pad_mask: float = 0.0) -> float:
     # mlmkit's first/last-stage activations outside the layers (see module docstring); s: this
-    # rank's tokens (s / cp).
+    # rank's tokens (s / cp); pad_mask: the bytes of this rank's padded-columns mask (_pad_mask).
     E, h = pr.activation, model.hidden
     extra = 0.0
     if pre:
@@ -376,7 +380,16 @@ def _stage_extra(model: GPTConfig, *, s: int, b: int, t: int, sp: bool, pre: boo
         extra += 8 * s * b + 2 * s * b                            # targets (int64), two bool masks
         if mean_loss:
             extra += 8                                            # the microbatch's target count (int64)
+        extra += pad_mask                                         # the padded columns' mask (bool)
     return extra
+
+
+def _pad_mask(model: GPTConfig, *, t: int, tp_rank: int) -> int:
+    """Bytes of the bool mask the loss keeps for the padded vocabulary columns in tensor-parallel
+    rank ``tp_rank``'s slice (``masked_fill`` saves it for backward): ``V/t`` where the slice reaches
+    past ``vocab_size``, else 0 (:func:`mlmkit.tensor_parallel.vocab_parallel_cross_entropy`)."""
+    local = model.padded_vocab(t) // t
+    return local if (tp_rank + 1) * local > model.vocab_size else 0
 
 
 def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: int, microbatches: int,
@@ -460,16 +473,17 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
             kv_heads=model.num_kv_heads, mlp=model.mlp, gate_up_fused=model.gate_up_fused,
             moe=model if model.moe else None, expert_tp=topology.expert_tp)
         full = _recompute(recompute) == "full" and implementation == "mlmkit"
+        pad = _pad_mask(model, t=t, tp_rank=c.tp)
         per_chunk, per_chunk_w, first_input, first_dy = [], [], [], []
         for st in stage_layout(model, topology, pp_rank=c.pp, chunks=chunks, layers_per_stage=layers_per_stage,
                                placement=placement):
             extra = _stage_extra(model, s=s, b=b, t=t, sp=sp, pre=st["pre_process"], post=st["post_process"],
                                  layers=len(st["layers"]), pr=pr, cp=cp, recompute=_recompute(recompute),
-                                 mean_loss=not per_token_loss) if implementation == "mlmkit" else 0.0
+                                 mean_loss=not per_token_loss, pad_mask=pad) if implementation == "mlmkit" else 0.0
             per_chunk.append(len(st["layers"]) * layer + extra)
             first_dy.append(_split_backward_rise(model, s=s, b=b, t=t, sp=sp, post=st["post_process"],
                                                  layers=len(st["layers"]), pr=pr, net_per_layer=held_for_w - layer,
-                                                 mean_loss=not per_token_loss)
+                                                 mean_loss=not per_token_loss, pad_mask=pad)
                             if st["layers"] and implementation == "mlmkit" else 0.0)
             # Full recomputation: a layer's checkpointed input goes when its backward is done, the
             # chunk's first (and the embedding's indices) last, after every layer kept its tensors for W.
