@@ -326,7 +326,10 @@ def uniform_traces():
                           # W are kept before the chunk's first checkpointed input is freed
                           "tp2-sp-pp2-shared-zbh1": dict(tp=2, pp=2, sequence_parallel=True, schedule="zb-h1",
                                                          model=dict(moe_shared_ffn_hidden=32)),
-                          "pp2-dp2-ep2-zbh1-full": dict(pp=2, dp=2, ep=2, schedule="zb-h1", recompute="full")}.items():
+                          "pp2-dp2-ep2-zbh1-full": dict(pp=2, dp=2, ep=2, schedule="zb-h1", recompute="full"),
+                          # the hidden dropout after the MoE MLP (its mask, the tp ranks' own stream with SP)
+                          "tp2-sp-pp2-dropout-shared-zbh1": dict(tp=2, pp=2, sequence_parallel=True, schedule="zb-h1",
+                                                                 model=dict(dropout=0.1, moe_shared_ffn_hidden=32))}.items():
         m = model if "gelu" not in name else moe_config(**{**model.to_dict(), "mlp": "gelu", "bias": True,
                                                            "moe_shared_ffn_hidden": 32})
         m = moe_config(**{**m.to_dict(), **options.pop("model", {})})
@@ -429,3 +432,24 @@ def test_cli_moe_matches_the_serial_run(tmp_path):
     serial_mbs = run([sys.executable, *flags, "--micro-batch-size", "2"])
     assert [r["loss"] for r in parallel] == pytest.approx([r["loss"] for r in serial_mbs], abs=1e-5)
     assert all(r["aux_loss"] > 0 and r["dropped"] == 0 for r in parallel + serial)
+
+
+def test_hidden_dropout_follows_the_moe_layer():
+    """With ``dropout`` the MoE layer's output (experts and shared expert summed) goes through the
+    hidden dropout, as a dense MLP's does (Megatron-LM's bias-dropout-add after the MoE layer): in
+    training every element is either dropped or the evaluation output scaled by 1 / (1 - p)."""
+    from mlmkit.distributed import CommGroup
+    from mlmkit.moe.layer import MoELayer
+    from mlmkit.tensor_parallel.random import TPRandomState
+
+    p = 0.5
+    cfg = moe_config(**{**MODEL.to_dict(), "dropout": p, "moe_shared_ffn_hidden": 32})
+    layer = MoELayer(cfg, layer=0, tp=CommGroup.single("tp"), sequence_parallel=False, rng=TPRandomState(seed=0))
+    x = torch.randn(cfg.seq_len, 2, cfg.hidden)
+    evaluated = layer.eval()(x)
+    trained = layer.train()(x)
+    dropped = trained == 0
+    assert 0.3 < dropped.float().mean().item() < 0.7
+    assert torch.allclose(trained[~dropped], evaluated[~dropped] / (1 - p), rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="needs rng"):
+        MoELayer(cfg, layer=0, tp=CommGroup.single("tp"), sequence_parallel=False)

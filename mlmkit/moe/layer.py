@@ -14,7 +14,8 @@ with context parallelism) flattened to ``[T, h]``:
    sequence parallelism does);
 5. combine: the inverse all-to-all brings every output back to its token's rank, where it is
    un-permuted and summed with the router weights: ``y_t = sum_j w_tj E_j(x_t)`` (plus the shared
-   expert's output, a dense tensor-parallel MLP every token goes through).
+   expert's output, a dense tensor-parallel MLP every token goes through); with ``config.dropout``
+   the sum then goes through the hidden dropout, as a dense MLP's output does.
 
 backward: the same path reversed (autograd): the all-to-alls swap their splits, the router gets the
 gradient of its weights through the combine and, with ``moe_aux_loss_coeff``, the gradient of the
@@ -40,6 +41,7 @@ from mlmkit.distributed import CommGroup
 from mlmkit.model.config import GPTConfig
 from mlmkit.moe.routing import balance_terms, capacity, capacity_keep, route
 from mlmkit.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, mark_parameter
+from mlmkit.tensor_parallel.random import dropout
 
 __all__ = ["ExpertGroups", "ExpertMLP", "MoELayer", "Router", "all_to_all"]
 
@@ -165,6 +167,9 @@ class MoELayer(nn.Module):
                  groups: Optional[ExpertGroups] = None, rng=None, device=None, wgrad=None):
         super().__init__()
         groups = groups or ExpertGroups.single()
+        if config.dropout and rng is None:
+            raise ValueError(f"MoELayer: dropout={config.dropout} needs rng (a TPRandomState) for its hidden "
+                             f"dropout; pass the model's, or set dropout=0")
         self.config, self.layer, self.groups, self.rng = config, layer, groups, rng
         self.site = f"layers.{layer}.mlp"
         self.sp = sequence_parallel
@@ -292,6 +297,11 @@ class MoELayer(nn.Module):
         y = y.view(shape)
         if aux_local is not None and torch.is_grad_enabled():
             y = _AttachAux.apply(y, aux_local, float(self.aux_scale))
+        if self.config.dropout:
+            # The hidden dropout after the MLP, as for a dense layer (Megatron-LM's bias-dropout-add
+            # after the MoE layer): a sequence-parallel rank holds its own tokens, so its own stream.
+            gen = self.rng.tensor_parallel if self.sp else self.rng.replicated
+            y = dropout(y, self.config.dropout, generator=gen, training=self.training)
         routed = counts.long().tolist()
         kept = per_expert.tolist()
         self._record(routed=routed, kept=kept, dropped=int(sum(routed) - sum(kept)), aux=aux_value, z=z_value,
