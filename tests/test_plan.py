@@ -307,6 +307,19 @@ def test_cli_plans_on_a_calibrated_local_cpu():
     assert re.search(r"all_gather \d+\.\d\dx of that; reduce_scatter \d+\.\d\dx of that", out.stderr), out.stderr
 
 
+@pytest.mark.parametrize("flags,needle", [
+    (["--model", "quickstart", "--cp", "2"], "does not cover context or expert parallelism yet (cp=2, ep=1)"),
+    (["--model", "mixtral-8x7b"], "does not cover mixtures of experts yet (experts=8)"),
+    (["--model", "quickstart", "--gpus", "0"], "gpus=0 must be a positive integer"),
+])
+def test_cli_refuses_what_local_cpu_cannot_plan_before_calibrating(flags, needle):
+    # The calibration starts processes for half a minute; what it cannot change is refused first.
+    args = ["--gpus", "4", "--gpu", "local-cpu", "--global-batch-size", "16"] + flags
+    out = subprocess.run([sys.executable, "-m", "mlmkit.plan", *args], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and needle in out.stderr, out.stderr
+    assert "calibrating" not in out.stderr and "measured on this machine" not in out.stderr
+
+
 def test_planning_code_imports_no_torch():
     code = ("import sys, mlmkit.plan, mlmkit.plan.timing; from mlmkit.plan import plan; "
             "bad=[m for m in sys.modules if m.startswith('torch')]; assert not bad, bad")

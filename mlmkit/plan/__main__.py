@@ -24,7 +24,8 @@ from dataclasses import replace
 from mlmkit.model.config import GPTConfig
 from mlmkit.model.presets import PRESETS, preset
 from mlmkit.plan.hardware import GPUS
-from mlmkit.plan.search import plan
+from mlmkit.plan.search import check_job, plan
+from mlmkit.plan.timing import check_mlmkit_runtime
 
 SHAPE = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab_size", "experts", "top_k")
 
@@ -77,6 +78,9 @@ def main(argv=None) -> int:
         if gpu == "local-cpu":
             from mlmkit.distributed import calibrate_local_cpu
 
+            # what the calibration cannot change fails first, not after half a minute of measuring
+            check_job(gpus=args.gpus, global_batch_size=args.global_batch_size)
+            check_mlmkit_runtime(model, cp=args.cp, ep=args.ep)
             print(f"calibrating local-cpu for {args.gpus} ranks ...", file=sys.stderr, flush=True)
             gpu = calibrate_local_cpu(args.gpus, quick=args.quick)
             print(gpu.source, file=sys.stderr)

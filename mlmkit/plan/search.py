@@ -18,7 +18,7 @@ from mlmkit.model.config import GPTConfig
 from mlmkit.plan.hardware import Hardware, hardware
 from mlmkit.plan.timing import Layout, check_ep, divisors, predict
 
-__all__ = ["COLUMNS", "plan", "search_space"]
+__all__ = ["COLUMNS", "check_job", "plan", "search_space"]
 
 #: Columns of :func:`plan`'s table, in order.
 COLUMNS = ["tp", "cp", "pp", "dp", "ep", "chunks", "schedule", "micro_batch_size", "recompute", "zero",
@@ -80,6 +80,13 @@ def search_space(model: GPTConfig, hw: Hardware, *, gpus: int, global_batch_size
     return out
 
 
+def check_job(*, gpus: object, global_batch_size: object) -> None:
+    """ValueError unless the GPU count and the global batch are positive integers."""
+    for name, value in (("gpus", gpus), ("global_batch_size", global_batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"plan: {name}={value!r} must be a positive integer")
+
+
 def plan(model: GPTConfig, *, gpus: int, gpu="h100-sxm", global_batch_size: int, seq_len: Optional[int] = None,
          flash_attention: bool = True, top: Optional[int] = None, **constraints):
     """Ranked layouts for training ``model`` on ``gpus`` GPUs of type ``gpu`` (a preset name of
@@ -89,9 +96,7 @@ def plan(model: GPTConfig, *, gpus: int, gpu="h100-sxm", global_batch_size: int,
     import pandas as pd
 
     hw = hardware(gpu)
-    for name, value in (("gpus", gpus), ("global_batch_size", global_batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"plan: {name}={value!r} must be a positive integer")
+    check_job(gpus=gpus, global_batch_size=global_batch_size)
     s = seq_len or model.seq_len
     if s != model.seq_len:
         from dataclasses import replace

@@ -62,7 +62,7 @@ from mlmkit.model.config import GPTConfig
 from mlmkit.plan.hardware import GiB, Hardware
 from mlmkit.topology import Topology
 
-__all__ = ["Layout", "pipeline_time", "predict"]
+__all__ = ["Layout", "check_mlmkit_runtime", "pipeline_time", "predict"]
 
 FRAGMENTATION = 1.05
 #: HBM passes (reads and writes, forward and backward together) over each layer's activations:
@@ -184,6 +184,21 @@ OPS = {"layer": 104, "layer_tp": 6, "layer_sp": 20, "layer_full_recompute": 70, 
        "embedding": 30, "head": 51, "step": 75, "optimizer_per_tensor": 10, "dp_per_tensor": 5}
 
 
+def check_mlmkit_runtime(model: GPTConfig, *, cp: Optional[int] = 1, ep: Optional[int] = 1,
+                         name: str = "local-cpu") -> None:
+    """ValueError naming what the time model of mlmkit's own runtime (``local-cpu``) does not cover:
+    context or expert parallelism, and mixtures of experts (their operator counts would be a dense
+    layer's: the router, permutation and expert loop are not counted). The command line calls it
+    before it spends half a minute calibrating."""
+    cp, ep = cp or 1, ep or 1
+    if cp > 1 or ep > 1:
+        raise ValueError(f"{name}: the time model of mlmkit's own runtime does not cover context or expert "
+                         f"parallelism yet (cp={cp}, ep={ep}); plan with cp=1 and ep=1 here")
+    if model.moe:
+        raise ValueError(f"{name}: the time model of mlmkit's own runtime does not cover mixtures of experts "
+                         f"yet (experts={model.experts}); plan a dense model here, or a GPU preset")
+
+
 def _predict_mlmkit(model: GPTConfig, hw: Hardware, L: Layout, *, m: int, s: int) -> dict:
     """Time of a step of mlmkit's own trainer (``hw.runtime == "mlmkit"``, e.g. ``local-cpu``):
     every collective waited for (gloo: nothing overlapped), operators' host time counted
@@ -193,12 +208,7 @@ def _predict_mlmkit(model: GPTConfig, hw: Hardware, L: Layout, *, m: int, s: int
     from mlmkit.pipeline.simulate import Costs, simulate
 
     t, cp, p, d, v, b = L.tp, L.cp, L.pp, L.dp, L.chunks, L.micro_batch_size
-    if cp > 1 or L.ep > 1:
-        raise ValueError(f"{hw.name}: the time model of mlmkit's own runtime does not cover context or expert "
-                         f"parallelism yet (cp={cp}, ep={L.ep}); plan with cp=1 and ep=1 here")
-    if model.moe:   # its operator counts are a dense layer's: the router, permutation and expert loop are not
-        raise ValueError(f"{hw.name}: the time model of mlmkit's own runtime does not cover mixtures of experts "
-                         f"yet (experts={model.experts}); plan a dense model here, or a GPU preset")
+    check_mlmkit_runtime(model, cp=cp, ep=L.ep, name=hw.name)
     E = 4 if hw.precision == "fp32" else 2
     sp = L.sequence_parallel and t > 1
     h, layers = model.hidden, model.layers
