@@ -230,6 +230,9 @@ class Cluster:
         self.start_time_s: Optional[float] = None
         self.master: Optional[tuple[str, int]] = None
         self.generation = 0                    # bumped whenever an engine is replaced
+        #: (session id, weak reference) of the session whose step is in progress on the engines, if any
+        #: (:class:`~mlmkit.cluster.session.Session`: one step at a time per cluster).
+        self._midstep = None
         self._broken = False                   # process groups must be rebuilt before the next call
         self._doomed: set[int] = set()         # ranks whose engines were killed: replaced at the next call
         self._hostname = socket.gethostname()

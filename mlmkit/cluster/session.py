@@ -25,6 +25,10 @@ The session is always in a defined state; training never goes silently wrong:
   rank failed while the optimizer was changing weights, every rank reloads the last finished step.
 - **An engine that died or was stopped** is replaced at the next call, and every rank reloads the
   last finished step (never silently step 0).
+- **One step at a time per cluster.** Sessions share the engines' process groups and message
+  tags, so while one session is half-way through a step another refuses to run; a session closed
+  (or dropped) half-way has the engines re-join a fresh ``torch.distributed`` world, so nothing
+  sent in its step reaches the next session.
 - **Ctrl-C** (a kernel interrupt) during a call lets the step in flight finish on every rank and
   records it, then raises KeyboardInterrupt: the next step continues exactly. A second Ctrl-C
   abandons the step instead (the engines are interrupted or, if blocked, replaced) and the next
@@ -40,6 +44,7 @@ import sys
 import tempfile
 import threading
 import uuid
+import weakref
 from typing import Optional
 
 from mlmkit.cluster.cluster import Cluster, RankError
@@ -219,13 +224,50 @@ class Session:
                                       chunks=config.chunks, layers=config.model.layers,
                                       microbatch_group=config.microbatch_group)
         self._snapshot_dir = self._make_snapshot_dir()
-        self.cursor = None
+        self._cursor = None
         self.history: list[dict] = []
         self.last_actions: dict[int, Optional[str]] = {}
         self._interrupts = _Interrupts()
         self._dirty = False
         self.closed = False
+        self._claim_cluster()
         self._build()
+
+    # ------------------------------------------------------------------------- one step at a time
+    @property
+    def cursor(self):
+        """Where the step in progress is (``None`` between steps)."""
+        return self._cursor
+
+    @cursor.setter
+    def cursor(self, value) -> None:
+        # The cluster knows which session has a step in progress: its messages may be in flight.
+        self._cursor = value
+        mid = self.cluster._midstep
+        if value is not None:
+            self.cluster._midstep = (self.id, weakref.ref(self))
+        elif mid is not None and mid[0] == self.id:
+            self.cluster._midstep = None
+
+    def _claim_cluster(self) -> None:
+        """Before building trainers or beginning a step: no other session may be half-way through
+        a step on these engines. Its sends and receives posted but not yet matched would pair with
+        this session's (the same process groups and message tags): a hang, or another step's
+        activations taken silently. A live one is refused; one that is gone (its Python object
+        dropped, e.g. a notebook cell re-run) is dropped on the engines, which re-join a fresh
+        ``torch.distributed`` world."""
+        mid = self.cluster._midstep
+        if mid is None or mid[0] == self.id:
+            return
+        sid, ref = mid
+        other = ref()
+        if other is not None and not other.closed:
+            raise RuntimeError(f"session {sid} on this cluster has a step in progress: finish it with .step(), drop "
+                               f"it with .reset_step(), or .close() it before session {self.id} can run")
+        self.cluster._midstep = None
+        if self.cluster.running:
+            self.cluster.run(_close, sid)
+            self.cluster.rejoin()
 
     # ------------------------------------------------------------------------- state keeping
     def _make_snapshot_dir(self) -> Optional[str]:
@@ -304,6 +346,7 @@ class Session:
 
     def _ensure_begun(self) -> None:
         if self.cursor is None:
+            self._claim_cluster()
             self._call(_begin)
             self.cursor = BatchCursor(plan_batches(self.schedule)) if self.batch_p2p else ScheduleCursor(self.schedule)
 
@@ -405,13 +448,19 @@ class Session:
             self.cursor = None
 
     def close(self) -> None:
-        """Drop this session's trainers on the engines and its kept step."""
+        """Drop this session's trainers on the engines and its kept step. Closed half-way through a
+        step, the engines then re-join a fresh ``torch.distributed`` world (as :meth:`reset_step`
+        does), so that nothing sent in the dropped step reaches another session."""
         if self.closed:
             return
+        midstep = self.cursor is not None
         try:
             if self.cluster.running:
                 self.cluster.run(_close, self.id)
+                if midstep:
+                    self.cluster.rejoin()
         finally:
+            self.cursor = None
             self.closed = True
             if self._snapshot_dir and self._snapshot_dir != self.checkpoint_dir:
                 shutil.rmtree(self._snapshot_dir, ignore_errors=True)
