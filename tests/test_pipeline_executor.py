@@ -288,3 +288,61 @@ def test_memory_beyond_the_tracker_does_not_grow_with_microbatches(pp):
                 assert many >= few + 2 * pp * message - message // 4, (name, batched, few, many)
             else:
                 assert many <= few + message // 4, (name, batched, few // message, many // message)
+
+
+# ------------------------------------------------------------------------------- receives posted ahead
+def _lookahead_case(groups, name, m, chunks, lookahead):
+    schedule = make_schedule(name, stages=groups.topology.pp, microbatches=m, chunks=chunks)
+    models = build_model_chunks(CFG, groups=groups, chunks=chunks, placement=schedule.placement,
+                                split_backward=schedule.split_backward)
+    ex = PipelineExecutor(schedule=schedule, chunks=models, groups=groups, batch_p2p=False)
+    default = ex.recv_lookahead
+    ex.recv_lookahead = default if lookahead is None else lookahead
+    tokens, targets = _data(m)
+    ex.start_step(tokens, targets)
+    posted = 0                                   # most receives posted and not yet used, after a compute action
+    while not ex.done:
+        a = ex.step_action()
+        if a.kind in ("F", "B", "I", "W"):
+            posted = max(posted, len(ex._recv))
+    ex.finalize()
+    grads = {}
+    for chunk in models:
+        grads.update(gather_full(chunk, grads=True))
+    return {"loss": ex.loss, "grads": grads, "posted": posted, "default": default}
+
+
+def _lookahead_sweep(rank, world_size, cases):
+    groups = ProcessGroups.build(Topology(pp=world_size))
+    return [_lookahead_case(groups, *case) for case in cases]
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_receives_posted_ahead_change_no_number(pp):
+    # Unbatched gloo posts the receives of the next few compute actions before each compute action
+    # (executor docstring). Every schedule (pp=2: a rank's previous and next stage are the same peer
+    # with interleaving and V shapes) gives bit-identical losses and gradients with receives posted
+    # when reached (0), ahead by default, and all at the step's first compute action (10**6: many
+    # receives of equal shapes outstanding on one peer at once, matched by their tags only).
+    m = 2 * pp
+    cases = [(name, m, chunks, k) for name, chunks in MEMORY_SCHEDULES.items() for k in (0, None, 10**6)]
+    per_rank = run_ranks(_lookahead_sweep, world_size=pp, args=(cases,), timeout_s=300)
+    ref_loss, ref_grads = _serial(m)
+    more = 0
+    for name, chunks in MEMORY_SCHEDULES.items():
+        runs = {k: [per_rank[r][cases.index((name, m, chunks, k))] for r in range(pp)] for k in (0, None, 10**6)}
+        assert runs[None][0]["default"] > 0
+        assert max(r["posted"] for r in runs[0]) == 0, name
+        assert max(r["posted"] for r in runs[None]) >= 1, name        # posted ahead, really
+        assert max(r["posted"] for r in runs[10**6]) >= max(r["posted"] for r in runs[None]), name
+        more += max(r["posted"] for r in runs[10**6]) > max(r["posted"] for r in runs[None])
+        for k in (None, 10**6):
+            for mine, base in zip(runs[k], runs[0]):
+                assert (mine["loss"] is None) == (base["loss"] is None)
+                if base["loss"] is not None:
+                    assert mine["loss"] == base["loss"], (name, k)
+                    assert abs(base["loss"] - ref_loss) <= TOL, (name, base["loss"], ref_loss)
+                assert set(mine["grads"]) == set(base["grads"])
+                for n, g in mine["grads"].items():
+                    assert torch.equal(g, base["grads"][n]), (name, k, n)
+    assert more, "posting every receive at once never held more than the default lookahead"
