@@ -355,7 +355,10 @@ class PipelineExecutor:
         """Drop the step in progress: activations, received tensors, queued weight-gradient work and
         every pending send and receive. After a failure this releases the rank's hold on its process
         groups (a pending ``Work`` keeps gloo's connections open, so peers blocked on this rank
-        would wait on)."""
+        would wait on). Messages of the dropped step may still be in flight (a send no receive
+        matched, a receive posted ahead): a posted receive cannot be withdrawn from gloo, so run the
+        next step on fresh process groups, as :class:`mlmkit.cluster.Cluster` does (it re-joins every
+        rank to a new world after a failure or a reset half-way)."""
         for (_, c), h in getattr(self, "_held", {}).items():
             if h.weight_work:
                 self.chunks[c].wgrad.drop(h.weight_work)
