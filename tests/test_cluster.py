@@ -119,6 +119,28 @@ def test_stepping_action_by_action_equals_whole_steps(cluster, batch_p2p):
     assert whole.traces()["events"].groupby("rank").size().min() > 0
 
 
+def test_stepping_a_v_schedule_at_four_stages_equals_whole_steps():
+    # zb-v at pp=4: rank 3 receives activations and gradients from rank 2 in another order than rank 2
+    # sends them. The driver must let a receive go only once its own message was sent (a count of
+    # messages per pair let rank 3 block in a receive; the engine hung until the 60 s timeout).
+    # Action by action on real engines, both communication paths, against whole steps.
+    cfg = TrainConfig(model=GPTConfig(vocab_size=256, seq_len=8, hidden=16, heads=2, layers=8), pp=4,
+                      schedule="zb-v", chunks=2, micro_batch_size=1, global_batch_size=8)
+    with Cluster(topology=cfg.topology, timeout_s=60) as four:
+        whole = four.session(cfg)
+        reference = [whole.step()["loss"] for _ in range(2)]
+        whole.close()
+        for batch_p2p in (False, True):
+            stepped = four.session(cfg.replace(batch_p2p=batch_p2p))
+            losses = []
+            for _ in range(2):
+                while not stepped.step_done:
+                    stepped.step_action()
+                losses.append(stepped.step()["loss"])
+            stepped.close()
+            assert losses == reference, batch_p2p
+
+
 def _raise_while_peers_wait(r):
     if r.rank == 3:
         time.sleep(0.3)

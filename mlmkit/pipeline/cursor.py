@@ -4,8 +4,11 @@ Pure planning code. A driver (the notebook session) that steps every rank one ac
 must never ask a rank to receive a message its peer has not sent yet: that rank would block inside
 the call, and the driver with it. :class:`ScheduleCursor` follows every rank's position in the
 schedule and answers :meth:`~ScheduleCursor.can_step`: compute actions and sends always can; a
-receive can once the peer has executed the matching send (messages between two ranks are matched
-in order, which validation guarantees).
+receive can once the peer has executed the send of *that* message (:meth:`Schedule.message`: what,
+microbatch, sending virtual stage). Counting messages per pair of ranks is not enough: on gloo the
+executor's messages carry tags, and a schedule may receive the messages of one channel in another
+order than they were sent (zb-v at pp=4: rank 3 gets activations and gradients from rank 2), so
+"rank 2 has sent more than rank 3 received" does not mean the message rank 3 waits for has left.
 """
 
 from __future__ import annotations
@@ -23,8 +26,7 @@ class ScheduleCursor:
     def __init__(self, schedule: Schedule):
         self.schedule = schedule
         self.index = [0] * schedule.stages
-        self._sent: dict[tuple[int, int], int] = {}
-        self._received: dict[tuple[int, int], int] = {}
+        self._sent: set[tuple[str, int, int]] = set()       # messages sent so far (Schedule.message)
 
     def next_action(self, rank: int) -> Optional[Action]:
         acts = self.schedule.actions[rank]
@@ -35,8 +37,7 @@ class ScheduleCursor:
         if a is None:
             return False
         if a.kind.startswith("RECV"):
-            pair = (a.peer, rank)
-            return self._sent.get(pair, 0) > self._received.get(pair, 0)
+            return self.schedule.message(rank, a) in self._sent
         return True
 
     def remaining(self, rank: int) -> list[Action]:
@@ -53,9 +54,7 @@ class ScheduleCursor:
             raise RuntimeError(f"rank {rank} cannot take {self.next_action(rank)} yet")
         a = self.next_action(rank)
         if a.kind.startswith("SEND"):
-            self._sent[(rank, a.peer)] = self._sent.get((rank, a.peer), 0) + 1
-        elif a.kind.startswith("RECV"):
-            self._received[(a.peer, rank)] = self._received.get((a.peer, rank), 0) + 1
+            self._sent.add(self.schedule.message(rank, a))
         self.index[rank] += 1
         return a
 

@@ -402,11 +402,7 @@ class PipelineExecutor:
     # ---------------------------------------------------------------------- communication
     def _key(self, a: Action, pp_rank: Optional[int] = None) -> tuple[str, int, int]:
         # (what, microbatch, sending virtual stage): the identity of the message.
-        vs = self.schedule.virtual_stage(self.pp_rank if pp_rank is None else pp_rank, a.chunk)
-        return {
-            "SEND_ACT": ("act", a.microbatch, vs), "RECV_ACT": ("act", a.microbatch, vs - 1),
-            "SEND_GRAD": ("grad", a.microbatch, vs), "RECV_GRAD": ("grad", a.microbatch, vs + 1),
-        }[a.kind]
+        return self.schedule.message(self.pp_rank if pp_rank is None else pp_rank, a)
 
     def _tag(self, key: tuple[str, int, int]) -> int:
         what, mb, vs = key

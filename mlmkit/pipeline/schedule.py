@@ -114,6 +114,21 @@ class Schedule:
             return rank if chunk == 0 else 2 * self.stages - 1 - rank
         return chunk * self.stages + rank
 
+    def message(self, rank: int, action: Action) -> tuple[str, int, int]:
+        """The message a SEND or RECV action of ``rank`` carries: ``(what, microbatch, sending
+        virtual stage)``, ``what`` being ``"act"`` or ``"grad"``; a send and the receive it feeds
+        name the same message."""
+        vs = self.virtual_stage(rank, action.chunk)
+        if action.kind == "SEND_ACT":
+            return ("act", action.microbatch, vs)
+        if action.kind == "RECV_ACT":
+            return ("act", action.microbatch, vs - 1)
+        if action.kind == "SEND_GRAD":
+            return ("grad", action.microbatch, vs)
+        if action.kind == "RECV_GRAD":
+            return ("grad", action.microbatch, vs + 1)
+        raise ValueError(f"{action} carries no message")
+
     def rank_of(self, virtual_stage: int) -> tuple[int, int]:
         """(rank, chunk) holding a virtual stage."""
         return stage_rank(virtual_stage, stages=self.stages, placement=self.placement)
