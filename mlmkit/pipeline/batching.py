@@ -90,9 +90,7 @@ class BatchPlan:
 
 # ----------------------------------------------------------------------------------- messages
 def _key(schedule: Schedule, rank: int, a: Action) -> tuple:
-    from mlmkit.pipeline.simulate import _message_key
-
-    return _message_key(schedule, rank, a)
+    return schedule.message(rank, a)
 
 
 class _Messages:

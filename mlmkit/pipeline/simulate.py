@@ -199,18 +199,6 @@ def replay(timeline, schedule: Schedule, *, ranks: Optional[Sequence[int]] = Non
     return simulate(schedule, ActionCosts(times=times, p2p_latency=p2p_latency))
 
 
-def _message_key(schedule: Schedule, rank: int, a: Action) -> tuple:
-    """Identity of the message a comm action sends or expects: (what, microbatch, sending virtual stage)."""
-    vs = schedule.virtual_stage(rank, a.chunk)
-    if a.kind == "SEND_ACT":
-        return ("activation", a.microbatch, vs)
-    if a.kind == "RECV_ACT":
-        return ("activation", a.microbatch, vs - 1)
-    if a.kind == "SEND_GRAD":
-        return ("gradient", a.microbatch, vs)
-    return ("gradient", a.microbatch, vs + 1)  # RECV_GRAD
-
-
 def _durations(schedule: Schedule, costs: Costs):
     """``duration(rank, action)``: each kind of action's cost per rank and chunk, computed once
     (per action for :class:`ActionCosts`)."""
@@ -247,15 +235,12 @@ def dry_run(schedule: Schedule, costs: Costs, *, ordered: bool = False, compute_
     # Per rank, each action once: (code, message key or duration, channel); 0 send, 1 receive, 2 compute.
     plans = []
     duration = _durations(schedule, costs)
-    offsets = {"SEND_ACT": ("activation", 0), "RECV_ACT": ("activation", -1), "SEND_GRAD": ("gradient", 0),
-               "RECV_GRAD": ("gradient", 1)}
     for r in range(p):
         plan = []
         for a in schedule.actions[r]:
             kind = a.kind
-            off = offsets.get(kind)
-            if off is not None:      # the message's identity: (what, microbatch, sending virtual stage)
-                key = (off[0], a.microbatch, schedule.virtual_stage(r, a.chunk) + off[1])
+            if kind in ("SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD"):
+                key = schedule.message(r, a)      # (what, microbatch, sending virtual stage)
                 if kind[0] == "S":
                     plan.append((0, key, (r, a.peer)))
                 else:
@@ -487,13 +472,13 @@ def shared_run(schedule: Schedule, costs: Costs, *, cores: float) -> list[tuple]
                 while remaining[r] is None and idx[r] < len(acts):
                     a = acts[idx[r]]
                     if a.kind.startswith("SEND"):
-                        sent[(a.peer, _message_key(schedule, r, a))] = t + hop
+                        sent[(a.peer, schedule.message(r, a))] = t + hop
                         rows.append((r, idx[r], a, t, t))
                     elif a.kind.startswith("RECV"):
-                        arrival = sent.get((r, _message_key(schedule, r, a)))
+                        arrival = sent.get((r, schedule.message(r, a)))
                         if arrival is None or arrival > t:
                             break
-                        del sent[(r, _message_key(schedule, r, a))]
+                        del sent[(r, schedule.message(r, a))]
                         rows.append((r, idx[r], a, t, t))
                     else:
                         remaining[r], started[r] = costs.duration(schedule, r, a), t
