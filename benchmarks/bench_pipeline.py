@@ -9,7 +9,8 @@ time = the slowest rank's. Pairs:
 - interleaved-1f1b against torch's ScheduleInterleaved1F1B; torch's ScheduleInterleavedZeroBubble
   order run by mlmkit (``from_torch``) against torch's runtime running it; zb-v against torch's
   ScheduleZBVZeroBubble (2 chunks per rank);
-- zb-h1 against mlmkit's own 1f1b (a zero-bubble schedule must beat the plain one).
+- zb-h1 against mlmkit's own 1f1b (a zero-bubble schedule must beat the plain one), on the model
+  above and on the same stages three times wider (``WIDE``), where W is GEMM-bound.
 
 Calibration: every action timed alone, rank after rank (:func:`mlmkit.pipeline.calibrate.measure_costs`:
 F, and the split backward's I and W, or the full B); the per-action CPU overhead of a real step
@@ -50,6 +51,9 @@ from mlmkit.pipeline.executor import PipelineExecutor, build_model_chunks
 # and the last stage at the end of every step (Megatron-LM's embedding group), which torch's runtime
 # leaves to its user; untied, both sides do exactly the same work.
 CFG = tiny_config(layers=8, hidden=128, heads=4, seq_len=64, vocab_size=256, tie_embeddings=False)
+# The same stages three times wider: each linear's GEMM costs 9x, the split backward's fixed costs
+# per linear (a Python step, X and dY read back from memory) grow 3x, so W is GEMM-bound.
+WIDE = tiny_config(layers=8, hidden=384, heads=4, seq_len=64, vocab_size=256, tie_embeddings=False)
 MB = 4
 TORCH_CLASS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
                "torch:interleaved-zb": "ScheduleInterleavedZeroBubble", "zb-v": "ScheduleZBVZeroBubble"}
@@ -76,17 +80,17 @@ def _p2p_latency(groups, shape, reps=20):
     return median(times)
 
 
-def _torch_side(groups, name, m, chunks):
-    """torch's schedule object for ``name`` on these ranks (and its model chunks)."""
+def _torch_side(groups, name, m, chunks, cfg):
+    """torch's schedule object for ``name`` on these ranks (and its model chunks) of model ``cfg``."""
     import torch.distributed.pipelining.schedules as S
     from torch.distributed.pipelining import PipelineStage
 
     p, r = groups.topology.pp, groups.coords.pp
     placement = "v" if name == "zb-v" else "loop"
-    models = build_model_chunks(CFG, groups=groups, chunks=chunks, placement=placement)
+    models = build_model_chunks(cfg, groups=groups, chunks=chunks, placement=placement)
     stages = [PipelineStage(mod, mod.stage.index, p * chunks, torch.device("cpu"), group=groups.pp.pg)
               for mod in models]
-    V = CFG.vocab_size
+    V = cfg.vocab_size
 
     def loss_fn(logits, target):  # logits [s, b, V], target [b, s]
         return F.cross_entropy(logits.float().reshape(-1, V), target.t().reshape(-1))
@@ -96,26 +100,28 @@ def _torch_side(groups, name, m, chunks):
     return sched, models
 
 
-def _rank(rank, world_size, name, m, reps, versus, windows):
+def _rank(rank, world_size, name, m, reps, versus, windows, config=None, calibrate=True):
     """Time mlmkit's step for ``name`` against ``versus`` ("torch": torch's runtime on the same
     schedule; or another mlmkit schedule name) and calibrate the simulator, ``windows`` times in a
     row (``reps`` paired steps, then a calibration): per window, (our wall times, their wall times,
-    our CPU times, their CPU times, calibrated costs, message latency); and the schedule."""
+    our CPU times, their CPU times, calibrated costs, message latency); and the schedule.
+    ``config``: the model (default :data:`CFG`); ``calibrate=False``: costs and latency are None."""
+    cfg = config or CFG
     groups = ProcessGroups.build(Topology(pp=world_size))
     chunks = 2 if name in ("interleaved-1f1b", "zb-v", "torch:interleaved-zb") else 1
     theirs_sched, theirs_models = (None, None)
     if versus == "torch":
-        theirs_sched, theirs_models = _torch_side(groups, name, m, chunks)
+        theirs_sched, theirs_models = _torch_side(groups, name, m, chunks, cfg)
     if name == "torch:interleaved-zb":     # torch's order, run by mlmkit's executor
         schedule = from_torch(theirs_sched, name=name)
     else:
         schedule = make_schedule(name, stages=world_size, microbatches=m, chunks=chunks)
-    ours_models = build_model_chunks(CFG, groups=groups, chunks=chunks, placement=schedule.placement,
+    ours_models = build_model_chunks(cfg, groups=groups, chunks=chunks, placement=schedule.placement,
                                      split_backward=schedule.split_backward)
     ours = PipelineExecutor(schedule=schedule, chunks=ours_models, groups=groups)
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, CFG.vocab_size, (m * MB, CFG.seq_len), generator=g)
-    targets = torch.randint(0, CFG.vocab_size, (m * MB, CFG.seq_len), generator=g)
+    tokens = torch.randint(0, cfg.vocab_size, (m * MB, cfg.seq_len), generator=g)
+    targets = torch.randint(0, cfg.vocab_size, (m * MB, cfg.seq_len), generator=g)
 
     cpu = {"ours": [], "theirs": []}         # this rank's CPU seconds per step (gloo's threads included)
 
@@ -145,7 +151,9 @@ def _rank(rank, world_size, name, m, reps, versus, windows):
                 model.zero_grad(set_to_none=True)
     else:
         base = make_schedule(versus, stages=world_size, microbatches=m)
-        base_models = build_model_chunks(CFG, groups=groups)
+        base_models = build_model_chunks(cfg, groups=groups)
+        for theirs, mine in zip(base_models, ours_models):      # the same weights on both sides
+            theirs.load_state_dict(mine.state_dict())
         base_ex = PipelineExecutor(schedule=base, chunks=base_models, groups=groups)
 
         def run_theirs():
@@ -162,9 +170,11 @@ def _rank(rank, world_size, name, m, reps, versus, windows):
             times.clear()
         t_ours, t_theirs = alternate(step_ours, step_theirs, reps, warmup=0)
         c_ours, c_theirs = list(cpu["ours"]), list(cpu["theirs"])
-        costs = measure_costs(schedule, ours_models, groups, tokens[:MB], targets[:MB])
-        costs = measure_overhead(ours, costs, tokens, targets)
-        latency = _p2p_latency(groups, (CFG.seq_len, MB, CFG.hidden))
+        costs = latency = None
+        if calibrate:
+            costs = measure_costs(schedule, ours_models, groups, tokens[:MB], targets[:MB])
+            costs = measure_overhead(ours, costs, tokens, targets)
+            latency = _p2p_latency(groups, (cfg.seq_len, MB, cfg.hidden))
         out.append((t_ours, t_theirs, c_ours, c_theirs, costs, latency))
     return out, schedule
 
@@ -226,4 +236,15 @@ def run(quick: bool = False) -> list[Row]:
         zb_t, ofob_t = simulated["zb-h1"], simulated["1f1b"]
         rows.append(Row("zb-h1 step vs 1f1b, simulated", f"pp={pp}, m={m}, one core per rank (calibrated above)",
                         zb_t * 1e3, ofob_t * 1e3, "ms", "<= 1.0", zb_t <= ofob_t))
+        # The same comparison where the weight-gradient GEMMs, not the split's fixed costs, decide W.
+        res = run_ranks(_rank, world_size=pp, args=("zb-h1", m, reps, "1f1b", windows),
+                        kwargs=dict(config=WIDE, calibrate=False), timeout_s=900)
+        steps = {"ours": [], "theirs": []}
+        for w in range(windows):
+            win = [r[0][w] for r in res]
+            for side, k in (("ours", 0), ("theirs", 1)):
+                steps[side] += [max(r[k][i] for r in win) for i in range(reps)]
+        ours, theirs, ratio = paired(steps["ours"], steps["theirs"])
+        rows.append(Row("zb-h1 step vs 1f1b, GEMM-bound width", f"zb-h1, pp={pp}, m={m}, hidden {WIDE.hidden} "
+                        f"(vs mlmkit 1f1b)", ours * 1e3, theirs * 1e3, "ms", "<= 1.0", ratio <= 1.0, ratio=ratio))
     return rows
