@@ -266,8 +266,10 @@ def test_a_session_closed_or_dropped_half_way_leaves_nothing_in_flight(cluster):
     half = cluster.session(CFG)
     half.step_action()
     half.step_action()
+    folders = sorted(os.listdir(cluster.private_dir))
     with pytest.raises(RuntimeError, match=f"session {half.id} on this cluster has a step in progress"):
         cluster.session(CFG)
+    assert sorted(os.listdir(cluster.private_dir)) == folders     # the refused session made no folder
     del half
     gc.collect()
     after = cluster.session(CFG)

@@ -223,14 +223,14 @@ class Session:
         self.schedule = make_schedule(config.schedule, stages=config.pp, microbatches=config.microbatches,
                                       chunks=config.chunks, layers=config.model.layers,
                                       microbatch_group=config.microbatch_group)
-        self._snapshot_dir = self._make_snapshot_dir()
         self._cursor = None
+        self.closed = False
+        self._claim_cluster()                 # before anything is made that a refusal would leave behind
+        self._snapshot_dir = self._make_snapshot_dir()
         self.history: list[dict] = []
         self.last_actions: dict[int, Optional[str]] = {}
         self._interrupts = _Interrupts()
         self._dirty = False
-        self.closed = False
-        self._claim_cluster()
         self._build()
 
     # ------------------------------------------------------------------------- one step at a time
