@@ -44,7 +44,7 @@ def test_csv_round_trip(name, chunks, fmt, tmp_path):
     validate(back, batched=True)
 
 
-def _torch_runtime(groups, sched, path, models, tokens, targets):
+def _torch_runtime(groups, sched, path, models, tokens, targets, fmt="compute_only"):
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
@@ -52,41 +52,58 @@ def _torch_runtime(groups, sched, path, models, tokens, targets):
               for mod in models]
     last = [mod for mod in models if mod.stage.post_process]
     runtime = _PipelineScheduleRuntime(stages, sched.microbatches, loss_fn=lambda out, tgt: last[0].loss(out, tgt))
-    runtime._load_csv(path, format="compute_only")
+    runtime._load_csv(path, format=fmt)
     losses = []
     args = (tokens,) if any(mod.stage.pre_process for mod in models) else ()
     runtime.step(*args, **(dict(target=targets, losses=losses) if last else {}))
     return sum(float(x.detach()) for x in losses) / len(losses) if losses else None
 
 
-def _cross(rank, world_size, name, chunks, m, path):
+def _cross(rank, world_size, cases):
+    """Per case (name, chunks, m, path, format): mlmkit's executor and torch's runtime running the
+    CSV file, on the same weights and data."""
     groups = ProcessGroups.build(Topology(pp=world_size))
-    sched = make_schedule(name, stages=world_size, microbatches=m, chunks=chunks)
-    tokens, targets = _data(m)
-    ours = build_model_chunks(CFG, groups=groups, chunks=chunks, placement=sched.placement,
-                              split_backward=sched.split_backward)
-    loss_ours = PipelineExecutor(schedule=sched, chunks=ours, groups=groups).run_step(tokens, targets)
-    theirs = build_model_chunks(CFG, groups=groups, chunks=chunks, placement=sched.placement)
-    loss_theirs = _torch_runtime(groups, sched, path, theirs, tokens, targets)
-    # torch's runtime does not know that the first and last stage share the (tied) word embedding:
-    # sum the two copies' gradients as mlmkit's executor does at the end of its step.
-    sync_embedding_grads(theirs, groups.embedding)
-    return {"ours": (loss_ours, _grads(ours)), "theirs": (loss_theirs, _grads(theirs))}
+    out = []
+    for name, chunks, m, path, fmt in cases:
+        sched = make_schedule(name, stages=world_size, microbatches=m, chunks=chunks)
+        tokens, targets = _data(m)
+        ours = build_model_chunks(CFG, groups=groups, chunks=chunks, placement=sched.placement,
+                                  split_backward=sched.split_backward)
+        loss_ours = PipelineExecutor(schedule=sched, chunks=ours, groups=groups).run_step(tokens, targets)
+        theirs = build_model_chunks(CFG, groups=groups, chunks=chunks, placement=sched.placement)
+        loss_theirs = _torch_runtime(groups, sched, path, theirs, tokens, targets, fmt)
+        # torch's runtime does not know that the first and last stage share the (tied) word embedding:
+        # sum the two copies' gradients as mlmkit's executor does at the end of its step.
+        sync_embedding_grads(theirs, groups.embedding)
+        out.append({"ours": (loss_ours, _grads(ours)), "theirs": (loss_theirs, _grads(theirs))})
+    return out
 
 
-@pytest.mark.parametrize("name,chunks", CASES)
-def test_torch_runtime_runs_mlmkit_schedules_and_agrees(name, chunks, tmp_path):
-    m = 4
-    path = to_torch_csv(make_schedule(name, stages=2, microbatches=m, chunks=chunks), str(tmp_path / "s.csv"))
-    results = run_ranks(_cross, world_size=2, args=(name, chunks, m, path), timeout_s=120)
-    losses = {k: [r[k][0] for r in results if r[k][0] is not None] for k in ("ours", "theirs")}
-    assert len(losses["ours"]) == len(losses["theirs"]) == 1
-    assert abs(losses["ours"][0] - losses["theirs"][0]) <= TOL
-    for r in results:
-        (_, g_ours), (_, g_theirs) = r["ours"], r["theirs"]
-        assert set(g_ours) == set(g_theirs)
-        for n in g_ours:
-            assert (g_ours[n] - g_theirs[n]).abs().max().item() <= TOL, n
+@pytest.mark.parametrize("pp", [2, 4])
+def test_torch_runtime_runs_mlmkit_schedules_and_agrees(pp, tmp_path):
+    # Both CSV formats. compute_only: torch inserts its own messages. compute_comms: mlmkit writes them;
+    # torch pairs messages between two ranks in posting order (no tags), and scales the gradients by
+    # 1/m in each stage's REDUCE_GRAD. Written in mlmkit's action order, a V placement's messages
+    # (zb-v, dualpipev; at pp=2 already) were swapped silently, and without REDUCE_GRAD every
+    # gradient came out m times too large.
+    m = 4 * pp
+    cases = []
+    for name, chunks in CASES + [("dualpipev", 2)]:
+        for fmt in ("compute_only", "compute_comms"):
+            path = to_torch_csv(make_schedule(name, stages=pp, microbatches=m, chunks=chunks),
+                                str(tmp_path / f"{name}-{fmt}.csv"), format=fmt)
+            cases.append((name, chunks, m, path, fmt))
+    per_rank = run_ranks(_cross, world_size=pp, args=(cases,), timeout_s=300)
+    for i, case in enumerate(cases):
+        results = [r[i] for r in per_rank]
+        losses = {k: [r[k][0] for r in results if r[k][0] is not None] for k in ("ours", "theirs")}
+        assert len(losses["ours"]) == len(losses["theirs"]) == 1
+        assert abs(losses["ours"][0] - losses["theirs"][0]) <= TOL, case
+        for r in results:
+            (_, g_ours), (_, g_theirs) = r["ours"], r["theirs"]
+            assert set(g_ours) == set(g_theirs)
+            for n in g_ours:
+                assert (g_ours[n] - g_theirs[n]).abs().max().item() <= TOL, (case, n)
 
 
 def _serial(m):

@@ -7,7 +7,10 @@ PyTorch writes a schedule as one CSV row per rank of actions ``{stage}{kind}{mic
 mlmkit's virtual stage is torch's stage index; ``F`` forward, ``B`` full backward, ``I`` backward
 for inputs, ``W`` backward for weights. In the ``"compute_comms"`` format the messages are spelled
 out too: ``{stage}SEND_F{mb}`` (mlmkit's SEND_ACT), ``RECV_F`` (RECV_ACT), ``SEND_B`` (SEND_GRAD),
-``RECV_B`` (RECV_GRAD). Torch's overlapped ``OVERLAP_F_B`` actions (DualPipeV) become their
+``RECV_B`` (RECV_GRAD), in the order of mlmkit's batch plan (torch pairs messages between two
+ranks in posting order, without tags; see :func:`torch_rows`), and each stage's ``{stage}REDUCE_GRAD`` after its last backward (B or W),
+where torch's own lowering puts it: that action scales the gradients by 1/m, so a
+``compute_comms`` file without it gives gradients m times too large in torch's runtime. Torch's overlapped ``OVERLAP_F_B`` actions (DualPipeV) become their
 forward and backward one after the other; its FSDP and gradient-reduction bookkeeping
 (``UNSHARD``, ``RESHARD``, ``REDUCE_GRAD``) is dropped.
 
@@ -32,13 +35,32 @@ def torch_rows(schedule: Schedule, *, format: str = "compute_only") -> list[list
     """Per rank, the schedule's actions in torch's notation (``"0F1"``, ``"1SEND_F0"``, ...)."""
     if format not in ("compute_only", "compute_comms"):
         raise ValueError(f"format={format!r}: expected 'compute_only' or 'compute_comms'")
+    if format == "compute_comms":
+        # torch's runtime posts each message without a tag: messages between two ranks pair in the
+        # order they are posted. mlmkit's action order is only right with tags (a V placement sends a
+        # rank's activations and gradients to one peer in another order than the peer receives them:
+        # torch would swap equal-shaped messages silently), so the messages are written in the order
+        # of mlmkit's batch plan, which pairs in order by construction (NCCL's semantics).
+        from mlmkit.pipeline.batching import plan_batches
+
+        plan = plan_batches(schedule)
+        orders = [[schedule.actions[r][i] for step in plan.steps[r] for i in step.actions]
+                  for r in range(schedule.stages)]
+    else:
+        orders = schedule.actions
     rows = []
-    for r, acts in enumerate(schedule.actions):
-        row = []
+    for r, acts in enumerate(orders):
+        row, backwards = [], {}
         for a in acts:
             vs = schedule.virtual_stage(r, a.chunk)
             if a.kind in ("F", "B", "I", "W"):
                 row.append(f"{vs}{a.kind}{a.microbatch}")
+                if format == "compute_comms" and a.kind in ("B", "W"):
+                    # torch's own lowering (_add_reduce_grad) puts REDUCE_GRAD after a stage's m-th
+                    # B or W: it scales the gradients by 1/m (and reduces them over data parallelism)
+                    backwards[vs] = backwards.get(vs, 0) + 1
+                    if backwards[vs] == schedule.microbatches:
+                        row.append(f"{vs}REDUCE_GRAD")
             elif format == "compute_comms":
                 row.append(f"{vs}{_COMM_TO_TORCH[a.kind]}{a.microbatch}")
         rows.append(row)
