@@ -245,6 +245,10 @@ def test_reset_half_way_then_the_step_equals_an_uninterrupted_one(cluster):
         session.close()
 
 
+def _session_ids(state):
+    return sorted(state.trainers)
+
+
 def test_a_session_closed_or_dropped_half_way_leaves_nothing_in_flight(cluster):
     # A session closed half-way through a step may have sends posted that no receive matched yet
     # (and receives posted ahead): on the same process groups and tags they would pair with the next
@@ -274,7 +278,19 @@ def test_a_session_closed_or_dropped_half_way_leaves_nothing_in_flight(cluster):
     gc.collect()
     after = cluster.session(CFG)
     assert [after.step()["loss"] for _ in range(2)] == reference
+    # Sessions dropped without close() between steps (a notebook cell run again): their trainers
+    # (model, gradients, optimizer state on every engine) go when the next session is made.
+    for _ in range(2):
+        dropped = cluster.session(CFG)
+        dropped.step()
+        del dropped
+        gc.collect()
+    kept = cluster.session(CFG)
+    held = cluster.run(_session_ids)
+    assert all(sorted(ids) == sorted([after.id, kept.id]) for ids in held.values()), held
+    kept.close()
     after.close()
+    assert all(ids == [] for ids in cluster.run(_session_ids).values())
 
 
 def test_session_controls_buttons(cluster):

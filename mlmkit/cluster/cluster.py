@@ -233,6 +233,10 @@ class Cluster:
         #: (session id, weak reference) of the session whose step is in progress on the engines, if any
         #: (:class:`~mlmkit.cluster.session.Session`: one step at a time per cluster).
         self._midstep = None
+        #: Sessions whose trainers live on the engines, by id (weak: a dropped session's trainers are
+        #: closed by the next session, see Session._claim_cluster).
+        self._sessions = weakref.WeakValueDictionary()
+        self._session_ids: set[str] = set()
         self._broken = False                   # process groups must be rebuilt before the next call
         self._doomed: set[int] = set()         # ranks whose engines were killed: replaced at the next call
         self._hostname = socket.gethostname()

@@ -28,7 +28,9 @@ The session is always in a defined state; training never goes silently wrong:
 - **One step at a time per cluster.** Sessions share the engines' process groups and message
   tags, so while one session is half-way through a step another refuses to run; a session closed
   (or dropped) half-way has the engines re-join a fresh ``torch.distributed`` world, so nothing
-  sent in its step reaches the next session.
+  sent in its step reaches the next session. A session dropped without ``close()`` (a notebook cell
+  ``session = cluster.session(...)`` run again) has its trainers closed on the engines when the next
+  session is made.
 - **Ctrl-C** (a kernel interrupt) during a call lets the step in flight finish on every rank and
   records it, then raises KeyboardInterrupt: the next step continues exactly. A second Ctrl-C
   abandons the step instead (the engines are interrupted or, if blocked, replaced) and the next
@@ -226,12 +228,15 @@ class Session:
         self._cursor = None
         self.closed = False
         self._claim_cluster()                 # before anything is made that a refusal would leave behind
+        self._close_dropped()
         self._snapshot_dir = self._make_snapshot_dir()
         self.history: list[dict] = []
         self.last_actions: dict[int, Optional[str]] = {}
         self._interrupts = _Interrupts()
         self._dirty = False
+        cluster._session_ids.add(self.id)     # before building: a build that fails is cleaned up too
         self._build()
+        cluster._sessions[self.id] = self
 
     # ------------------------------------------------------------------------- one step at a time
     @property
@@ -268,6 +273,17 @@ class Session:
         if self.cluster.running:
             self.cluster.run(_close, sid)
             self.cluster.rejoin()
+
+    def _close_dropped(self) -> None:
+        """Close on the engines the trainers of sessions whose Python objects are gone without
+        close() (a notebook cell ``session = cluster.session(...)`` run again): each holds a model,
+        its gradients and optimizer state on every engine."""
+        known = self.cluster._session_ids
+        gone = sorted(sid for sid in known if sid not in self.cluster._sessions)
+        if gone and self.cluster.running:
+            for sid in gone:
+                self.cluster.run(_close, sid)
+        known.difference_update(gone)
 
     # ------------------------------------------------------------------------- state keeping
     def _make_snapshot_dir(self) -> Optional[str]:
@@ -454,6 +470,7 @@ class Session:
         if self.closed:
             return
         midstep = self.cursor is not None
+        self.cluster._session_ids.discard(self.id)
         try:
             if self.cluster.running:
                 self.cluster.run(_close, self.id)
