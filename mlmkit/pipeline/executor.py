@@ -31,10 +31,9 @@ Two ways to communicate (``batch_p2p``):
   schedule proves it delivered (a message the peer sent after receiving it has arrived; the rest
   at the end of the step), which frees the sent tensor: a step holds a bounded number of them
   whatever the number of microbatches. Receives are posted ahead (below) and waited for just
-  before use. Messages carry a tag
-  naming (activation or gradient, sending virtual stage, microbatch), so gloo cannot pair a
-  message with the wrong receive even when a rank's previous and next stage are the same peer
-  (pp=2 with interleaving).
+  before use. Messages carry a tag naming (activation or gradient, sending virtual stage,
+  microbatch), so gloo cannot pair a message with the wrong receive even when a rank's previous
+  and next stage are the same peer (pp=2 with interleaving).
 - batched (default on NCCL, ``batch_p2p=True`` on gloo): communication runs as the batches of
   :func:`mlmkit.pipeline.batching.plan_batches` (``batch_isend_irecv``, the whole batch waited),
   without tags, so messages are matched by order exactly as NCCL matches them. The plan is built

@@ -5,14 +5,19 @@ simulated, drawn, stepped and executed here.
 PyTorch writes a schedule as one CSV row per rank of actions ``{stage}{kind}{microbatch}``, e.g.
 ``0F1,0I0,0W0`` (``_PipelineScheduleRuntime._load_csv`` / ``_dump_csv``). The vocabularies match:
 mlmkit's virtual stage is torch's stage index; ``F`` forward, ``B`` full backward, ``I`` backward
-for inputs, ``W`` backward for weights. In the ``"compute_comms"`` format the messages are spelled
-out too: ``{stage}SEND_F{mb}`` (mlmkit's SEND_ACT), ``RECV_F`` (RECV_ACT), ``SEND_B`` (SEND_GRAD),
-``RECV_B`` (RECV_GRAD), in the order of mlmkit's batch plan (torch pairs messages between two
-ranks in posting order, without tags; see :func:`torch_rows`), and each stage's ``{stage}REDUCE_GRAD`` after its last backward (B or W),
-where torch's own lowering puts it: that action scales the gradients by 1/m, so a
-``compute_comms`` file without it gives gradients m times too large in torch's runtime. Torch's overlapped ``OVERLAP_F_B`` actions (DualPipeV) become their
+for inputs, ``W`` backward for weights.
+
+Written in the ``"compute_comms"`` format, the messages are spelled out too: ``{stage}SEND_F{mb}``
+(mlmkit's SEND_ACT), ``RECV_F`` (RECV_ACT), ``SEND_B`` (SEND_GRAD), ``RECV_B`` (RECV_GRAD), in the
+order of mlmkit's batch plan (torch pairs the messages between two ranks in posting order, without
+tags; see :func:`torch_rows`), and each stage's ``{stage}REDUCE_GRAD`` after its last backward (B
+or W), where torch's own lowering puts it: that action scales the gradients by 1/m, so a
+``compute_comms`` file without it gives gradients m times too large in torch's runtime.
+
+Read back (:func:`from_torch`), torch's overlapped ``OVERLAP_F_B`` actions (DualPipeV) become their
 forward and backward one after the other; its FSDP and gradient-reduction bookkeeping
-(``UNSHARD``, ``RESHARD``, ``REDUCE_GRAD``) is dropped.
+(``UNSHARD``, ``RESHARD``, ``REDUCE_GRAD``) is dropped, and the messages are inserted as mlmkit's
+generators insert them.
 
 Pure planning code: actions are read from their text (``str(action)``), torch is not imported.
 """
