@@ -270,6 +270,7 @@ class Session:
             raise RuntimeError(f"session {sid} on this cluster has a step in progress: finish it with .step(), drop "
                                f"it with .reset_step(), or .close() it before session {self.id} can run")
         self.cluster._midstep = None
+        self.cluster._session_ids.discard(sid)
         if self.cluster.running:
             self.cluster.run(_close, sid)
             self.cluster.rejoin()

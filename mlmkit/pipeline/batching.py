@@ -89,10 +89,6 @@ class BatchPlan:
 
 
 # ----------------------------------------------------------------------------------- messages
-def _key(schedule: Schedule, rank: int, a: Action) -> tuple:
-    return schedule.message(rank, a)
-
-
 class _Messages:
     """Channel and sequence number of every communication action (the sender's order defines them)."""
 
@@ -110,12 +106,12 @@ class _Messages:
                     self.seq[(r, i)] = count.get(ch, 0)
                     count[ch] = count.get(ch, 0) + 1
                     self.channel[(r, i)] = ch
-                    by_key[(ch, _key(schedule, r, a))] = (r, i)
+                    by_key[(ch, schedule.message(r, a))] = (r, i)
         for r, acts in enumerate(schedule.actions):
             for i, a in enumerate(acts):
                 if a.kind.startswith("RECV"):
                     ch = (a.peer, r)
-                    send = by_key.get((ch, _key(schedule, r, a)))
+                    send = by_key.get((ch, schedule.message(r, a)))
                     if send is None:
                         raise ScheduleError("no rank sends the message this receive expects",
                                             rank=r, index=i, action=a)

@@ -475,10 +475,11 @@ def shared_run(schedule: Schedule, costs: Costs, *, cores: float) -> list[tuple]
                         sent[(a.peer, schedule.message(r, a))] = t + hop
                         rows.append((r, idx[r], a, t, t))
                     elif a.kind.startswith("RECV"):
-                        arrival = sent.get((r, schedule.message(r, a)))
+                        key = (r, schedule.message(r, a))
+                        arrival = sent.get(key)
                         if arrival is None or arrival > t:
                             break
-                        del sent[(r, schedule.message(r, a))]
+                        del sent[key]
                         rows.append((r, idx[r], a, t, t))
                     else:
                         remaining[r], started[r] = costs.duration(schedule, r, a), t

@@ -28,6 +28,7 @@ import csv
 import re
 from typing import Optional, Union
 
+from mlmkit.pipeline.batching import plan_batches
 from mlmkit.pipeline.schedule import Schedule, ScheduleError, schedule_from_table
 
 __all__ = ["from_torch", "to_torch_csv", "torch_rows"]
@@ -46,8 +47,6 @@ def torch_rows(schedule: Schedule, *, format: str = "compute_only") -> list[list
         # rank's activations and gradients to one peer in another order than the peer receives them:
         # torch would swap equal-shaped messages silently), so the messages are written in the order
         # of mlmkit's batch plan, which pairs in order by construction (NCCL's semantics).
-        from mlmkit.pipeline.batching import plan_batches
-
         plan = plan_batches(schedule)
         orders = [[schedule.actions[r][i] for step in plan.steps[r] for i in step.actions]
                   for r in range(schedule.stages)]
