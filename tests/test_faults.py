@@ -4,6 +4,7 @@ rank is named within the bound, no healthy engine is replaced, and the next step
 uninterrupted run's (a second session, stepped side by side on the same engines)."""
 
 import glob
+import itertools
 import os
 import random
 import signal
@@ -18,6 +19,7 @@ from mlmkit.cluster import Cluster, EngineDied, RankError, RankTimeout, StateLos
 from mlmkit.cluster.cluster import alive
 from mlmkit.model import GPTConfig
 from mlmkit.pipeline import make_schedule
+from mlmkit.pipeline.batching import plan_batches
 from mlmkit.train import TrainConfig
 
 CFG = TrainConfig(model=GPTConfig(vocab_size=256, seq_len=16, hidden=32, heads=4, layers=4), tp=2, pp=2,
@@ -109,9 +111,16 @@ def _inject(state, sid, point, kind):
 
 
 def _points(rank, cfg=CFG):
+    """Every place a step of ``rank`` can fail: each value the executor's ``index`` (actions done)
+    takes before a ``step_action`` (with ``batch_p2p`` a batch of sends and receives is one call that
+    counts all its actions), then the two phases after the actions."""
     pp = cfg.topology.coords(rank).pp
-    n = len(make_schedule(cfg.schedule, stages=cfg.pp, microbatches=cfg.microbatches, chunks=cfg.chunks).actions[pp])
-    return list(range(n)) + ["finalize", "optimizer"]
+    schedule = make_schedule(cfg.schedule, stages=cfg.pp, microbatches=cfg.microbatches, chunks=cfg.chunks)
+    if cfg.batch_p2p:
+        sizes = [len(step.actions) for step in plan_batches(schedule).steps[pp]]
+    else:
+        sizes = [1] * len(schedule.actions[pp])
+    return [0, *itertools.accumulate(sizes)][:-1] + ["finalize", "optimizer"]
 
 
 # One rank of each pipeline stage (a tp-rank-1 and a tp-rank-0), every action index of the step and
@@ -142,6 +151,24 @@ def _raise_everywhere(harness, sweep):
 def test_rank_raising_at_every_action_index(harness):
     slowest = _raise_everywhere(harness, SWEEP)
     print(f"{len(SWEEP)} injected failures, slowest report {slowest:.2f} s")
+
+
+# The batched path (part 10) with a V placement, on the same engines: a rank's previous and next
+# stage are the same peer, and a failing rank leaves whole batches of sends and receives posted.
+# Every step of a stage-1 rank's batch plan, and random points of the other three ranks.
+V_BATCHED = CFG.replace(schedule="dualpipev", chunks=2, batch_p2p=True)
+V_BATCHED_SWEEP = [(2, point) for point in _points(2, V_BATCHED)]
+V_BATCHED_SWEEP += [(rank, random.Random(11 + k).choice(_points(rank, V_BATCHED))) for k, rank in enumerate((0, 1, 3))]
+
+
+def test_batched_v_schedule_failing_at_every_step(harness):
+    h = Harness(harness.cluster, V_BATCHED, ref_steps=len(V_BATCHED_SWEEP) + 2)
+    try:
+        h.check_next_step()
+        _raise_everywhere(h, V_BATCHED_SWEEP)
+    finally:
+        h.session.close()
+    harness.check_next_step()                # the module's own session still steps on the same engines
 
 
 # Context parallel with experts: the cp, dp-cp, tp-cp and expert groups must be released by a failing
