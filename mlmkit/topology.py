@@ -137,11 +137,13 @@ class Topology:
         dense = self.tp * self.cp * self.dp
         if dense % (self.expert_tp * self.ep):
             fits = [e for e in range(1, dense + 1) if dense % (e * self.expert_tp) == 0]
+            fix = (f"With expert_tp={self.expert_tp}, choose ep in {fits}, or raise dp." if fits else
+                   f"No ep fits expert_tp={self.expert_tp}: make tp x cp x dp a multiple of "
+                   f"{self.ep * self.expert_tp} (e.g. dp={self.dp * self.ep * self.expert_tp}), or lower expert_tp.")
             raise ValueError(
                 f"Topology: ep={self.ep} x expert_tp={self.expert_tp} = {self.ep * self.expert_tp} does not divide "
                 f"tp x cp x dp = {self.tp}x{self.cp}x{self.dp} = {dense}: the expert ranks of a pipeline stage fold "
-                f"its dense ranks (Megatron-Core's expert grid). With expert_tp={self.expert_tp}, choose ep in "
-                f"{fits}, or raise dp."
+                f"its dense ranks (Megatron-Core's expert grid). {fix}"
             )
 
     # ------------------------------------------------------------------ sizes

@@ -387,6 +387,8 @@ def test_checkpoint_at_ep2_zero1_resumes_in_other_layouts(tmp_path):
     (dict(dp=3, ep=3, global_batch_size=6), "experts=4 is not divisible by ep=3"),
     (dict(tp=2, ep=2), "needs sequence_parallel=True"),
     (dict(dp=2, ep=2, model={"experts": 0}), "the model has no experts"),
+    # A dense model with a degree no expert grid fits: the missing experts are named, not the grid.
+    (dict(expert_tp=2, model={"experts": 0}), "ep=1, expert_tp=2: the model has no experts"),
     (dict(ep=2), "ep=2 x expert_tp=1 = 2 does not divide tp x cp x dp = 1x1x1 = 1"),
     (dict(model={"moe_capacity_factor": 0}), "moe_capacity_factor=0 must be a number > 0"),
     (dict(model={"moe_router": "relu"}), "moe_router='relu' is not one of"),

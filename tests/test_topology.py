@@ -170,3 +170,6 @@ def test_expert_grid_folds_dense_ranks():
     assert topo.expert_coords(5) == (0, 1, 0, 1)
     with pytest.raises(ValueError, match=r"ep=3 x expert_tp=1 = 3 does not divide tp x cp x dp = 2x1x2 = 4.*choose ep in \[1, 2, 4\]"):
         Topology(tp=2, dp=2, ep=3)
+    # No ep at all fits: the message names what would (it said "choose ep in []").
+    with pytest.raises(ValueError, match=r"No ep fits expert_tp=2: make tp x cp x dp a multiple of 2 \(e.g. dp=2\)"):
+        Topology(expert_tp=2)

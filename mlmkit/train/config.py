@@ -128,6 +128,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, GPTConfig):
             raise ValueError(f"TrainConfig.model must be a GPTConfig, got {type(self.model).__name__}")
+        if all(type(d) is int for d in (self.ep, self.expert_tp)) and not self.model.moe:
+            self.model.check_parallel(ep=self.ep, expert_tp=self.expert_tp)   # before the expert grid's arithmetic
         topo = self.topology  # validates degrees
         for name in ("micro_batch_size", "global_batch_size", "max_steps", "bucket_bytes"):
             _check_int(name, getattr(self, name), minimum=1)
