@@ -181,6 +181,28 @@ def test_cli_json_and_constraints():
     assert bad.returncode == 2 and "neither a preset" in bad.stderr
 
 
+def test_when_nothing_fits_the_closest_layouts_come_first_and_the_cli_says_so():
+    # GPT-3 175B on 8 A100s: ~2.8 TB of weights, gradients and Adam state cannot fit in any layout.
+    table = plan(preset("gpt3-175b"), gpus=8, gpu="a100-80gb", global_batch_size=8, seq_len=2048)
+    assert not table.fits.any()
+    assert table.memory_per_gpu_bytes.is_monotonic_increasing     # closest to fitting first, not fastest
+    assert table.iloc[0].memory_per_gpu_bytes < table.sort_values("tokens_per_s").iloc[-1].memory_per_gpu_bytes
+    mixed = plan(preset("llama3-8b"), gpus=8, gpu="a100-80gb", global_batch_size=32, seq_len=4096, recompute="none")
+    fitting, too_big = mixed[mixed.fits], mixed[~mixed.fits]
+    assert len(fitting) and len(too_big) and mixed.fits.iloc[: len(fitting)].all()
+    assert fitting.tokens_per_s.is_monotonic_decreasing and too_big.memory_per_gpu_bytes.is_monotonic_increasing
+    out = subprocess.run([sys.executable, "-m", "mlmkit.plan", "--model", "gpt3-175b", "--gpus", "8", "--gpu",
+                          "a100-80gb", "--global-batch-size", "8", "--seq-len", "2048", "--top", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"no layout fits in 80 GiB per GPU; the closest \(rank 0: tp=\d+ .*\) needs \d+ GiB: weights, "
+                     r"gradients and optimizer state \d+ GiB.*the state alone is more than a GPU holds: add GPUs",
+                     out.stderr), out.stderr
+    fits = subprocess.run([sys.executable, "-m", "mlmkit.plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch-size",
+                           "64", "--top", "1"], capture_output=True, text=True, timeout=120)
+    assert fits.returncode == 0 and "no layout fits" not in fits.stderr
+
+
 def test_presets_plan():
     table = plan(preset("llama3-70b"), gpus=64, gpu="h200", global_batch_size=128, seq_len=4096, top=5)
     assert len(table) == 5 and table.fits.all()

@@ -23,7 +23,7 @@ from dataclasses import replace
 
 from mlmkit.model.config import GPTConfig
 from mlmkit.model.presets import PRESETS, preset
-from mlmkit.plan.hardware import GPUS
+from mlmkit.plan.hardware import GPUS, hardware
 from mlmkit.plan.search import check_job, plan
 from mlmkit.plan.timing import check_mlmkit_runtime
 
@@ -68,6 +68,19 @@ def _model(args) -> GPTConfig:
     return replace(model, **shape) if shape else model
 
 
+def _say_nothing_fits(best, memory: float) -> None:
+    """On stderr: no layout fits in ``memory`` bytes per GPU; what the closest one (``best``) needs."""
+    gib = 2**30
+    state, acts = best.state_bytes, best.activation_bytes
+    other = best.memory_per_gpu_bytes - state - acts
+    fix = ("the state alone is more than a GPU holds: add GPUs" if state > memory else
+           "add GPUs, or shorten the sequence (activations)")
+    print(f"python -m mlmkit.plan: no layout fits in {memory / gib:.0f} GiB per GPU; the closest (rank 0: "
+          f"tp={best.tp} cp={best.cp} pp={best.pp} dp={best.dp}, zero={best.zero}, recompute={best.recompute}) needs "
+          f"{best.memory_per_gpu_bytes / gib:.0f} GiB: weights, gradients and optimizer state {state / gib:.0f} GiB, "
+          f"activations {acts / gib:.0f} GiB, framework buffers {other / gib:.0f} GiB; {fix}.", file=sys.stderr)
+
+
 def main(argv=None) -> int:
     args = _parse(argv)
     constraints = {k: getattr(args, k) for k in ("tp", "cp", "pp", "dp", "ep", "chunks", "schedule",
@@ -90,6 +103,8 @@ def main(argv=None) -> int:
     except ValueError as err:
         print(f"python -m mlmkit.plan: {err}", file=sys.stderr)
         return 2
+    if not table.fits.iloc[0]:
+        _say_nothing_fits(table.iloc[0], hardware(gpu).memory_bytes)
     if args.json:
         for rank, row in table.iterrows():
             print(json.dumps({"rank": int(rank), **{k: (v.item() if hasattr(v, "item") else v) for k, v in row.items()}}))

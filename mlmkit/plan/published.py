@@ -56,7 +56,8 @@ def comparison():
         free = {}
         if best["recompute"] != "none" and "recompute" not in constraints:
             bare = plan(model, gpus=gpus, gpu=gpu, global_batch_size=batch, seq_len=seq, tp=tp, cp=cp, pp=pp,
-                        flash_attention=flash, recompute="none").iloc[0]
+                        flash_attention=flash, recompute="none")
+            bare = bare.loc[bare.tokens_per_s.idxmax()]     # the fastest, fitting or not (none fits here)
             free = {"without recomputation TFLOP/s": round(float(bare[f"{kind}_tflops_per_gpu"]), 1),
                     "without recomputation GiB": round(float(bare["memory_per_gpu_bytes"]) / 2**30, 1),
                     "without recomputation fits": bool(bare["fits"])}

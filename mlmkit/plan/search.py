@@ -6,7 +6,8 @@ degrees (dividing the experts and a stage's ``tp x cp x dp`` ranks), Megatron-LM
 (2 or 4 chunks, when the microbatches allow them), micro-batch sizes, the three recomputation
 choices and ZeRO stages 1 and 3; constraints fix any of these. Each layout is predicted by
 :func:`mlmkit.plan.predict`; the table is ranked by tokens per second, layouts that do not fit
-in memory last (``fits`` False).
+in memory last (``fits`` False), the smallest memory per GPU first among them: when nothing
+fits, the top rows are the layouts closest to fitting, not the fastest of the impossible ones.
 """
 
 from __future__ import annotations
@@ -109,7 +110,9 @@ def plan(model: GPTConfig, *, gpus: int, gpu="h100-sxm", global_batch_size: int,
                          f"relax a constraint or change the GPU count")
     rows = [_predict(model, hw, lay, global_batch_size, s, flash_attention) for lay in layouts]
     df = pd.DataFrame(rows, columns=COLUMNS)
-    df = df.sort_values(["fits", "tokens_per_s"], ascending=[False, False]).reset_index(drop=True)
+    fitting = df[df.fits].sort_values("tokens_per_s", ascending=False, kind="stable")
+    too_big = df[~df.fits].sort_values(["memory_per_gpu_bytes", "tokens_per_s"], ascending=[True, False], kind="stable")
+    df = pd.concat([fitting, too_big]).reset_index(drop=True)
     df.index.name = "rank"
     return df.head(top) if top else df
 
