@@ -226,6 +226,13 @@ def test_bad_cluster_values_fail_before_any_process(kwargs, needle):
     assert set(psutil.Process().children(recursive=True)) == before
 
 
+def test_a_config_for_another_grid_is_refused_with_the_fix(cluster):
+    with pytest.raises(ValueError, match=r"the config asks for Topology\(tp=1, pp=2, dp=2\) but the cluster runs "
+                                         r"Topology\(tp=2, pp=2, dp=1\): change the config's degrees to the "
+                                         r"cluster's, or start a cluster for it \(Cluster\(topology=config.topology\)\)"):
+        cluster.session(CFG.replace(tp=1, dp=2))
+
+
 def test_reset_half_way_then_the_step_equals_an_uninterrupted_one(cluster):
     # Beside the widget's one reset: a reset after the first action and one in the steady state both
     # free the held activations, and the next step equals a fresh session's first step.

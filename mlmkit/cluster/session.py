@@ -215,7 +215,9 @@ class Session:
                  keep_last_step: bool = True):
         if config.topology != cluster.topology:
             hint = (": its model has experts, so start the cluster with topology=config.topology (the expert "
-                    "grid's process groups)" if config.topology.experts and not cluster.topology.experts else "")
+                    "grid's process groups)" if config.topology.experts and not cluster.topology.experts else
+                    ": change the config's degrees to the cluster's, or start a cluster for it "
+                    "(Cluster(topology=config.topology))")
             raise ValueError(f"the config asks for {config.topology!r} but the cluster runs {cluster.topology!r}{hint}")
         if save_every_step and not checkpoint_dir:
             raise ValueError("Session: save_every_step=True needs a checkpoint_dir to save into")
