@@ -226,6 +226,28 @@ def test_bad_cluster_values_fail_before_any_process(kwargs, needle):
     assert set(psutil.Process().children(recursive=True)) == before
 
 
+def test_stepping_a_microbatch_of_zero_bubble_does_not_wait_for_its_deferred_w(cluster):
+    # zb-h1 defers the oldest microbatch's W to the drain (here the last action of rank 1): "one
+    # microbatch" counting W ran the whole step in one press. It runs to the end of the oldest
+    # microbatch's backward (I) on every rank; the deferred W's come with later presses.
+    cfg = CFG.replace(schedule="zb-h1")
+    whole = cluster.session(cfg)
+    reference = whole.step()["loss"]
+    whole.close()
+    session = cluster.session(cfg)
+    session.step_microbatch()
+    done = {r: [str(a) for a in session.schedule.actions[r][:session.cursor.index[r]]] for r in range(2)}
+    assert "I(mb=0)" in done[0] and "W(mb=0)" not in done[0] + done[1], done
+    assert "I(mb=1)" not in done[1], done                          # it stopped there, not later
+    presses = 1
+    while not session.step_done:
+        session.step_microbatch()
+        presses += 1
+    assert presses >= cfg.microbatches, presses
+    assert session.step()["loss"] == reference
+    session.close()
+
+
 def test_a_config_for_another_grid_is_refused_with_the_fix(cluster):
     with pytest.raises(ValueError, match=r"the config asks for Topology\(tp=1, pp=2, dp=2\) but the cluster runs "
                                          r"Topology\(tp=2, pp=2, dp=1\): change the config's degrees to the "

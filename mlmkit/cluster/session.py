@@ -8,7 +8,8 @@ A :class:`Session` builds a :class:`~mlmkit.train.trainer.Trainer` on every rank
   receive whose message has not been sent yet waits for a later call. The driver knows which
   ranks can go from a :class:`~mlmkit.pipeline.ScheduleCursor` (or, with batched communication,
   from the rounds of a :class:`~mlmkit.pipeline.batching.BatchCursor`), so no engine ever blocks.
-- :meth:`Session.step_microbatch`: actions until the oldest unfinished microbatch is done everywhere.
+- :meth:`Session.step_microbatch`: actions until the oldest unfinished microbatch has been through forward
+  and backward everywhere (a deferred W of it may come later).
 - :meth:`Session.step`: the rest of the step and the optimizer update; returns the metrics.
 
 :meth:`Session.state` shows every rank's position, the activations it holds with their shapes
@@ -51,6 +52,7 @@ from typing import Optional
 
 from mlmkit.cluster.cluster import Cluster, RankError
 from mlmkit.pipeline import ScheduleCursor, make_schedule
+from mlmkit.pipeline.cursor import unfinished_microbatches
 from mlmkit.pipeline.batching import BatchCursor, plan_batches
 
 __all__ = ["Session", "StateLost"]
@@ -399,14 +401,17 @@ class Session:
         return self.cursor is not None and self.cursor.done
 
     def step_microbatch(self):
-        """Actions until the oldest unfinished microbatch has no action left on any rank."""
+        """Actions until the oldest unfinished microbatch has been through forward and backward on
+        every rank. A zero-bubble schedule's W of it (deferred to fill a bubble, possibly to the
+        drain) does not count; once only W actions are left, until the oldest one's W has run."""
         with self._interrupts as interrupts:
             self._ensure_begun()
-            left = [a.microbatch for r in range(self.schedule.stages) for a in self.cursor.remaining(r)]
+            weights = not unfinished_microbatches(self.cursor, weights=False)
+            left = unfinished_microbatches(self.cursor, weights=weights)
             if not left:
                 return self.state()
             target = min(left)
-            while any(a.microbatch == target for r in range(self.schedule.stages) for a in self.cursor.remaining(r)):
+            while target in unfinished_microbatches(self.cursor, weights=weights):
                 self._step_action()
                 if interrupts.hits:
                     break

@@ -17,7 +17,7 @@ from typing import Optional
 
 from mlmkit.pipeline.schedule import Action, Schedule
 
-__all__ = ["ScheduleCursor"]
+__all__ = ["ScheduleCursor", "unfinished_microbatches"]
 
 
 class ScheduleCursor:
@@ -65,3 +65,15 @@ class ScheduleCursor:
     def __repr__(self) -> str:
         pos = ", ".join(f"r{r}:{i}/{len(a)}" for r, (i, a) in enumerate(zip(self.index, self.schedule.actions)))
         return f"ScheduleCursor({self.schedule.name}: {pos})"
+
+
+def unfinished_microbatches(cursor, *, weights: bool = True) -> set[int]:
+    """Microbatches with an action left on some rank (``cursor``: a :class:`ScheduleCursor` or a
+    :class:`~mlmkit.pipeline.batching.BatchCursor`); with ``weights=False`` their W actions do not
+    count. What stepping "one microbatch" runs to
+    (:meth:`mlmkit.cluster.Session.step_microbatch`): a zero-bubble schedule defers W to fill
+    bubbles, up to the drain (zb-h1 gives each W slot the freshest microbatch), so counting W would
+    make the first microbatch's stepping run most of the step."""
+    return {a.microbatch for r in range(cursor.schedule.stages) for a in cursor.remaining(r)
+            if weights or a.kind != "W"}
+
