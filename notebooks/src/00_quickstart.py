@@ -123,7 +123,10 @@ timeline_comparison(again.timeline, stages, title="This step replayed (simulated
 # action can complete. The table shows each rank's position, its next action and the activations it
 # holds (bytes); the timeline is in logical time (one slot per forward, two per backward): what is
 # done in colour, what is still to do in grey. Think as long as you like between clicks: that is not
-# a bubble. `reset step` drops the step in progress (no weight update).
+# a bubble. `microbatch` runs until the oldest unfinished microbatch has been through forward and
+# backward on every rank (a zero-bubble schedule's W of it may come later: it fills a bubble), `step`
+# to the end of the step and the weight update; `reset step` drops the step in progress (no weight
+# update).
 
 # %%
 from mlmkit.viz import SessionControls
