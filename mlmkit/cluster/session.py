@@ -52,8 +52,8 @@ from typing import Optional
 
 from mlmkit.cluster.cluster import Cluster, RankError
 from mlmkit.pipeline import ScheduleCursor, make_schedule
-from mlmkit.pipeline.cursor import unfinished_microbatches
 from mlmkit.pipeline.batching import BatchCursor, plan_batches
+from mlmkit.pipeline.cursor import unfinished_microbatches
 
 __all__ = ["Session", "StateLost"]
 
@@ -406,8 +406,10 @@ class Session:
         drain) does not count; once only W actions are left, until the oldest one's W has run."""
         with self._interrupts as interrupts:
             self._ensure_begun()
-            weights = not unfinished_microbatches(self.cursor, weights=False)
-            left = unfinished_microbatches(self.cursor, weights=weights)
+            left = unfinished_microbatches(self.cursor, weights=False)
+            weights = not left                               # only W actions left: run those
+            if weights:
+                left = unfinished_microbatches(self.cursor)
             if not left:
                 return self.state()
             target = min(left)

@@ -76,4 +76,3 @@ def unfinished_microbatches(cursor, *, weights: bool = True) -> set[int]:
     make the first microbatch's stepping run most of the step."""
     return {a.microbatch for r in range(cursor.schedule.stages) for a in cursor.remaining(r)
             if weights or a.kind != "W"}
-
