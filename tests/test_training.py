@@ -1,6 +1,7 @@
 """3D training against a plain-PyTorch serial run; checkpoints that reshard and survive crashes; torchrun."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -40,23 +41,27 @@ class MaskedData:
 
 def serial_losses(cfg: TrainConfig, steps: int) -> list[float]:
     """The reference: plain PyTorch on one process (GPT at tp=1, torch's AdamW and clip_grad_norm_)."""
+    return serial_metrics(cfg, steps)[0]
+
+
+def serial_metrics(cfg: TrainConfig, steps: int) -> tuple[list[float], list[float]]:
+    """The reference's losses and gradient norms (before clipping, as torch's clip_grad_norm_ returns)."""
     model = GPT(cfg.model)
     opt = torch.optim.AdamW(model.parameters(), lr=0.0, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                             weight_decay=cfg.weight_decay)
     data = MaskedData(TextData(seq_len=cfg.model.seq_len, seed=cfg.seed))
-    losses = []
+    losses, norms = [], []
     for step in range(steps):
         tokens, targets = data.batch(step, cfg.global_batch_size)
         opt.zero_grad()
         loss = model(tokens, targets)            # mean over every non-ignored token of the batch
         loss.backward()
-        if cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)))
         for g in opt.param_groups:
             g["lr"] = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps)
         opt.step()
         losses.append(loss.item())
-    return losses
+    return losses, norms
 
 
 def _trainer(cfg, groups):
@@ -119,6 +124,26 @@ def _train(rank, world_size, cfg_dict, steps):
     cfg = TrainConfig.from_dict(cfg_dict)
     trainer = _trainer(cfg, ProcessGroups.build(cfg.topology))
     return [trainer.train_step()["loss"] for _ in range(steps)]
+
+
+def _train_metrics(rank, world_size, cfg_dict, steps):
+    cfg = TrainConfig.from_dict(cfg_dict)
+    trainer = _trainer(cfg, ProcessGroups.build(cfg.topology))
+    return [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(steps))]
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zb-v", "dualpipev"])
+def test_every_chunk_on_one_pipeline_rank_matches_serial(schedule):
+    # pp=1 with two model chunks: the first chunk embeds, the second holds the head's copy of the tied
+    # word embedding on the same rank. The copy's gradient is the embedding's (summed locally), so it
+    # must not count again in the gradient norm: counted twice, the norm came out 3.398 instead of
+    # 3.289 and clipping scaled every gradient wrongly.
+    cfg = BASE.replace(pp=1, dp=2, chunks=2, schedule=schedule)
+    losses, norms = serial_metrics(cfg, 3)
+    for got in run_ranks(_train_metrics, world_size=2, args=(cfg.to_dict(), 3), timeout_s=300):
+        assert _close([n for _, n in got], norms), (got, norms)
+        assert _close([l for l, _ in got], losses), (got, losses)
+    assert min(norms) > cfg.grad_clip            # clipping acts on every step
 
 
 def test_no_clipping_with_grad_clip_zero():

@@ -10,7 +10,9 @@ Gradient-norm clipping must count every parameter element exactly once in the wh
 - a TP-split parameter: each TP rank holds a distinct slice, all counted;
 - a replicated parameter (LayerNorm, row-parallel bias, position embedding): counted on TP rank 0 only;
 - a shard held by several TP ranks (key/value heads when tp > kv_heads): counted on the first of them;
-- the last pipeline stage's copy of a tied word embedding: not counted (the first stage's is);
+- the last stage's copy of a tied word embedding: not counted (the first stage's is), whether
+  it sits on another pipeline rank or, as a later model chunk, on the same one (``pp = 1`` with
+  ``chunks > 1``);
 - data-parallel replicas hold identical (averaged) gradients: counted once (the sum over the world
   is divided by dp);
 - an expert's parameters: split over expert-tp ranks (or counted on the first), held identically by
@@ -102,7 +104,7 @@ def _bucket_sizes(nbytes: Sequence[int], bucket_bytes: int) -> list[int]:
 
 def counted_once(param: nn.Parameter, groups: ProcessGroups) -> bool:
     """Whether this rank's copy of ``param`` counts towards the global gradient norm (module docstring)."""
-    if getattr(param, "shared_embedding", False) and groups.topology.pp > 1:
+    if getattr(param, "shared_embedding", False):      # the head's copy; the embedding itself counts
         return False
     if getattr(param, "tp_split_dim", None) is None and groups.coords.tp != 0:
         return False
