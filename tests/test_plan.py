@@ -11,7 +11,7 @@ import pytest
 from mlmkit.model import GPTConfig
 from mlmkit.model.presets import preset
 from mlmkit.pipeline import make_schedule, simulate
-from mlmkit.plan import GPUS, Hardware, Layout, plan, predict
+from mlmkit.plan import GPUS, Hardware, Layout, hardware, plan, predict
 from mlmkit.plan.published import ROWS, comparison
 from mlmkit.plan.timing import pipeline_time
 
@@ -82,6 +82,18 @@ def test_published_results_within_15_percent_for_most_rows():
     (dict(gpus=0), "gpus=0 must be a positive integer"),
     (dict(speed=3), "unknown constraint(s) ['speed']"),
     (dict(tp=3), "no layout of 64 GPUs"),
+    # values no layout can take are named, not searched (they divided by zero, or planned mbs=-1, seq_len=0)
+    (dict(tp=0), "tp=0 must be a positive integer"),
+    (dict(micro_batch_size=0), "micro_batch_size=0 must be a positive integer"),
+    (dict(micro_batch_size=-1), "micro_batch_size=-1 must be a positive integer"),
+    (dict(chunks=0), "chunks=0 must be a positive integer"),
+    (dict(dp=2.0), "dp=2.0 must be a positive integer"),
+    (dict(seq_len=0), "seq_len=0 must be a positive integer"),
+    (dict(top=-1), "top=-1 must be a positive integer (0 or None: every layout)"),
+    (dict(zero=5), "zero=5; expected a ZeRO stage 0, 1, 2 or 3"),
+    (dict(recompute="some"), "recompute='some'; expected"),
+    (dict(schedule="zb-h2"), "schedule='zb-h2'; expected one of gpipe, 1f1b"),
+    (dict(schedule="zb-h1"), "covers 1f1b and interleaved-1f1b"),
 ])
 def test_bad_plan_input_names_the_value(kwargs, needle):
     args = dict(gpus=64, gpu="h100-sxm", global_batch_size=256)
@@ -329,10 +341,27 @@ def test_cli_plans_on_a_calibrated_local_cpu():
     assert re.search(r"all_gather \d+\.\d\dx of that; reduce_scatter \d+\.\d\dx of that", out.stderr), out.stderr
 
 
+def test_layouts_and_predictions_refuse_what_they_cannot_be():
+    with pytest.raises(ValueError, match=r"Layout: pp=0 must be a positive integer"):
+        Layout(pp=0)
+    with pytest.raises(ValueError, match=r"Layout: chunks=2 needs a schedule with model chunks"):
+        Layout(pp=2, chunks=2, schedule="1f1b")
+    # The GPU presets price Megatron-LM's 1F1B and interleaved 1F1B; another schedule is refused, not
+    # predicted as 1F1B (GPipe holds every microbatch's activations).
+    with pytest.raises(ValueError, match=r"schedule='gpipe': the time model of Megatron-LM's runtime"):
+        predict(SMALL, hardware("a100-80gb"), Layout(pp=2, dp=4, schedule="gpipe"), global_batch_size=64)
+    with pytest.raises(ValueError, match=r"predict: seq_len=-8 must be a positive integer"):
+        predict(SMALL, hardware("a100-80gb"), Layout(pp=2, dp=4), global_batch_size=64, seq_len=-8)
+    assert len(plan(SMALL, gpus=8, gpu="a100-80gb", global_batch_size=64, top=0)) > 10     # 0: every layout
+
+
 @pytest.mark.parametrize("flags,needle", [
     (["--model", "quickstart", "--cp", "2"], "does not cover context or expert parallelism yet (cp=2, ep=1)"),
     (["--model", "mixtral-8x7b"], "does not cover mixtures of experts yet (experts=8)"),
     (["--model", "quickstart", "--gpus", "0"], "gpus=0 must be a positive integer"),
+    (["--model", "quickstart", "--micro-batch-size", "0"], "micro_batch_size=0 must be a positive integer"),
+    (["--model", "quickstart", "--seq-len", "0"], "seq_len=0 must be a positive integer"),
+    (["--model", "quickstart", "--top", "-2"], "top=-2 must be a positive integer"),
 ])
 def test_cli_refuses_what_local_cpu_cannot_plan_before_calibrating(flags, needle):
     # The calibration starts processes for half a minute; what it cannot change is refused first.

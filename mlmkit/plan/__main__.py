@@ -24,7 +24,7 @@ from dataclasses import replace
 from mlmkit.model.config import GPTConfig
 from mlmkit.model.presets import PRESETS, preset
 from mlmkit.plan.hardware import GPUS, hardware
-from mlmkit.plan.search import check_job, plan
+from mlmkit.plan.search import check_request, plan
 from mlmkit.plan.timing import check_mlmkit_runtime
 
 SHAPE = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab_size", "experts", "top_k")
@@ -49,7 +49,7 @@ def _parse(argv):
         p.add_argument(f"--{name.replace('_', '-')}", type=int)
     p.add_argument("--no-flash-attention", action="store_true",
                    help="attention as separate kernels (the [s, s] scores go through memory)")
-    p.add_argument("--top", type=int, default=10, help="layouts to print (default 10)")
+    p.add_argument("--top", type=int, default=10, help="layouts to print (default 10; 0: every layout)")
     p.add_argument("--json", action="store_true", help="one JSON object per layout")
     return p.parse_args(argv)
 
@@ -92,7 +92,8 @@ def main(argv=None) -> int:
             from mlmkit.distributed import calibrate_local_cpu
 
             # what the calibration cannot change fails first, not after half a minute of measuring
-            check_job(gpus=args.gpus, global_batch_size=args.global_batch_size)
+            check_request(gpus=args.gpus, global_batch_size=args.global_batch_size, seq_len=args.seq_len,
+                          top=args.top, **constraints)
             check_mlmkit_runtime(model, cp=args.cp, ep=args.ep)
             print(f"calibrating local-cpu for {args.gpus} ranks ...", file=sys.stderr, flush=True)
             gpu = calibrate_local_cpu(args.gpus, quick=args.quick)

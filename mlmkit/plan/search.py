@@ -17,9 +17,10 @@ from typing import Optional, Sequence
 
 from mlmkit.model.config import GPTConfig
 from mlmkit.plan.hardware import Hardware, hardware
-from mlmkit.plan.timing import Layout, check_ep, divisors, predict
+from mlmkit.plan.timing import (MEGATRON_SCHEDULES, Layout, check_ep, check_layout_fields, check_seq_len, divisors,
+                                predict)
 
-__all__ = ["COLUMNS", "check_job", "plan", "search_space"]
+__all__ = ["COLUMNS", "check_job", "check_request", "plan", "search_space"]
 
 #: Columns of :func:`plan`'s table, in order.
 COLUMNS = ["tp", "cp", "pp", "dp", "ep", "chunks", "schedule", "micro_batch_size", "recompute", "zero",
@@ -37,6 +38,10 @@ def search_space(model: GPTConfig, hw: Hardware, *, gpus: int, global_batch_size
     unknown = sorted(set(fixed) - set(_CONSTRAINTS))
     if unknown:
         raise ValueError(f"plan: unknown constraint(s) {unknown}; expected some of {', '.join(_CONSTRAINTS)}")
+    check_layout_fields(**{k: v for k, v in fixed.items() if v is not None})
+    if fixed.get("schedule") is not None and hw.runtime == "megatron" and fixed["schedule"] not in MEGATRON_SCHEDULES:
+        raise ValueError(f"plan: schedule={fixed['schedule']!r}: the time model of Megatron-LM's runtime ({hw.name}) "
+                         f"covers {' and '.join(MEGATRON_SCHEDULES)}; plan with one of them, or on local-cpu")
 
     def options(name, default):
         value = fixed.get(name)
@@ -88,16 +93,31 @@ def check_job(*, gpus: object, global_batch_size: object) -> None:
             raise ValueError(f"plan: {name}={value!r} must be a positive integer")
 
 
+def check_request(*, gpus: object, global_batch_size: object, seq_len: object = None, top: object = None,
+                  **constraints) -> None:
+    """ValueError naming the first value of a :func:`plan` request that no search can take (the
+    command line calls it before it spends half a minute calibrating ``local-cpu``)."""
+    check_job(gpus=gpus, global_batch_size=global_batch_size)
+    check_seq_len(seq_len)
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 0):
+        raise ValueError(f"plan: top={top!r} must be a positive integer (0 or None: every layout)")
+    unknown = sorted(set(constraints) - set(_CONSTRAINTS))
+    if unknown:
+        raise ValueError(f"plan: unknown constraint(s) {unknown}; expected some of {', '.join(_CONSTRAINTS)}")
+    check_layout_fields(**{k: v for k, v in constraints.items() if v is not None})
+
+
 def plan(model: GPTConfig, *, gpus: int, gpu="h100-sxm", global_batch_size: int, seq_len: Optional[int] = None,
          flash_attention: bool = True, top: Optional[int] = None, **constraints):
     """Ranked layouts for training ``model`` on ``gpus`` GPUs of type ``gpu`` (a preset name of
     :data:`mlmkit.plan.GPUS` or a :class:`Hardware`), with ``global_batch_size`` sequences of
     ``seq_len`` tokens (default: the model's) per step. ``constraints`` fix any of tp, cp, pp, dp,
-    ep, chunks, schedule, micro_batch_size, recompute, zero, sequence_parallel (default on). Returns a DataFrame (:data:`COLUMNS`)."""
+    ep, chunks, schedule, micro_batch_size, recompute, zero, sequence_parallel (default on). Returns a DataFrame (:data:`COLUMNS`),
+    its ``top`` best rows when ``top`` is a positive integer (0 or None: every layout)."""
     import pandas as pd
 
     hw = hardware(gpu)
-    check_job(gpus=gpus, global_batch_size=global_batch_size)
+    check_request(gpus=gpus, global_batch_size=global_batch_size, seq_len=seq_len, top=top, **constraints)
     s = seq_len or model.seq_len
     if s != model.seq_len:
         from dataclasses import replace

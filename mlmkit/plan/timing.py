@@ -62,7 +62,7 @@ from mlmkit.model.config import GPTConfig
 from mlmkit.plan.hardware import GiB, Hardware
 from mlmkit.topology import Topology
 
-__all__ = ["Layout", "check_mlmkit_runtime", "pipeline_time", "predict"]
+__all__ = ["Layout", "check_layout_fields", "check_mlmkit_runtime", "check_seq_len", "pipeline_time", "predict"]
 
 FRAGMENTATION = 1.05
 #: HBM passes (reads and writes, forward and backward together) over each layer's activations:
@@ -70,6 +70,46 @@ FRAGMENTATION = 1.05
 #: vector (activation function), and, without flash attention, of each attention score.
 ELEMENTWISE_PASSES, MLP_PASSES, SCORE_PASSES = 24, 6, 12
 ADAM_BYTES_PER_PARAM = 32
+
+
+#: The fields of a :class:`Layout` (and the planner's constraints), and the schedules that run more
+#: than one model chunk per pipeline rank.
+LAYOUT_FIELDS = ("tp", "cp", "pp", "dp", "ep", "chunks", "schedule", "micro_batch_size", "recompute", "zero",
+                 "sequence_parallel")
+CHUNKED_SCHEDULES = ("interleaved-1f1b", "zb-v", "dualpipev")
+#: Schedules the time model of Megatron-LM's runtime (the GPU presets) covers: its 1F1B and interleaved
+#: 1F1B; mlmkit's own runtime (``local-cpu``) simulates every schedule mlmkit runs.
+MEGATRON_SCHEDULES = ("1f1b", "interleaved-1f1b")
+
+
+def check_layout_fields(*, what: str = "plan", **fields) -> None:
+    """ValueError naming the first of ``fields`` (any of :data:`LAYOUT_FIELDS`) that no layout can
+    take: degrees, chunks and the micro-batch size are positive integers, the schedule one of
+    mlmkit's, recompute none/selective/full, zero 0-3, sequence_parallel a bool."""
+    from mlmkit.pipeline.schedule import SCHEDULES
+
+    for name, value in fields.items():
+        if name in ("tp", "cp", "pp", "dp", "ep", "chunks", "micro_batch_size"):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{what}: {name}={value!r} must be a positive integer (1 switches that axis off)"
+                                 if name not in ("chunks", "micro_batch_size") else
+                                 f"{what}: {name}={value!r} must be a positive integer")
+        elif name == "schedule" and value not in SCHEDULES:
+            raise ValueError(f"{what}: schedule={value!r}; expected one of {', '.join(SCHEDULES)}")
+        elif name == "recompute" and value not in ("none", "selective", "full"):
+            raise ValueError(f"{what}: recompute={value!r}; expected 'none', 'selective' or 'full'")
+        elif name == "zero" and (isinstance(value, bool) or value not in (0, 1, 2, 3)):
+            raise ValueError(f"{what}: zero={value!r}; expected a ZeRO stage 0, 1, 2 or 3")
+        elif name == "sequence_parallel" and not isinstance(value, bool):
+            raise ValueError(f"{what}: sequence_parallel={value!r} must be True or False")
+        elif name not in LAYOUT_FIELDS:
+            raise ValueError(f"{what}: unknown field {name!r}; expected some of {', '.join(LAYOUT_FIELDS)}")
+
+
+def check_seq_len(seq_len: object, *, what: str = "plan") -> None:
+    """ValueError unless ``seq_len`` is None (the model's) or a positive integer."""
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
+        raise ValueError(f"{what}: seq_len={seq_len!r} must be a positive integer (or None: the model's)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +127,12 @@ class Layout:
     recompute: str = "none"
     zero: int = 1
     sequence_parallel: bool = True
+
+    def __post_init__(self) -> None:
+        check_layout_fields(**{f: getattr(self, f) for f in LAYOUT_FIELDS}, what="Layout")
+        if self.chunks > 1 and self.schedule not in CHUNKED_SCHEDULES:
+            raise ValueError(f"Layout: chunks={self.chunks} needs a schedule with model chunks "
+                             f"({', '.join(CHUNKED_SCHEDULES)}), not schedule={self.schedule!r}")
 
     @property
     def gpus(self) -> int:
@@ -303,6 +349,11 @@ def predict(model: GPTConfig, hw: Hardware, layout: Layout, *, global_batch_size
     """Step time, throughput, FLOP/s, MFU, memory per GPU and the time breakdown of ``layout``
     (module docstring). Raises ``ValueError`` when the layout does not divide the job."""
     L = layout
+    check_seq_len(seq_len, what="predict")
+    if hw.runtime == "megatron" and L.schedule not in MEGATRON_SCHEDULES:
+        raise ValueError(f"predict: schedule={L.schedule!r}: the time model of Megatron-LM's runtime ({hw.name}) "
+                         f"covers {' and '.join(MEGATRON_SCHEDULES)}; simulate other schedules with "
+                         f"mlmkit.pipeline.simulate, or plan them on local-cpu")
     s = seq_len or model.seq_len
     t, cp, p, d, v, b = L.tp, L.cp, L.pp, L.dp, L.chunks, L.micro_batch_size
     if global_batch_size % (b * d):
