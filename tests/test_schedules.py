@@ -131,6 +131,18 @@ def test_bad_configs(kwargs, needle):
         make_schedule(name, **kwargs)
 
 
+@pytest.mark.parametrize("costs,needle", [
+    ({"forward": -1.0, "backward": 2.0}, r"costs.forward=-1.0: every cost must be a finite number >= 0"),
+    ({"forward": 1.0, "backward": float("nan")}, r"costs.backward=nan: every cost"),
+    ({"forward": [1.0, -0.5], "backward": 2.0}, r"costs.forward=\[1.0, -0.5\]: every cost"),
+    ({"forward": 1.0, "p2p_latency": float("inf")}, r"costs.p2p_latency=inf: every cost"),
+])
+def test_costs_no_run_could_have_are_refused(costs, needle):
+    # A negative or NaN cost simulated into a NaN step or actions ending before they start.
+    with pytest.raises(ValueError, match=needle):
+        simulate(make_schedule("1f1b", stages=2, microbatches=4), costs)
+
+
 def _table(rows):
     return schedule_from_table([dict(zip(("rank", "kind", "microbatch", "peer"), r)) for r in rows])
 

@@ -233,6 +233,26 @@ def test_estimators_never_assume_a_precision():
             fn(model, Topology(), micro_batch_size=1, microbatches=1)
 
 
+def test_estimators_refuse_what_no_run_could_be():
+    # A zero micro-batch size estimated an empty step; tp=3 of a hidden-32 model estimated shards no
+    # trainer can build. Both are named, with the trainer's own check of the split.
+    from mlmkit.estimate import estimate_comm, estimate_memory
+    from mlmkit.model import GPTConfig
+    from mlmkit import Topology
+
+    model = GPTConfig(vocab_size=256, seq_len=16, hidden=32, heads=4, layers=2)
+    for fn in (estimate_memory, estimate_comm):
+        name = fn.__name__
+        with pytest.raises(ValueError, match=f"{name}: micro_batch_size=0 must be an integer >= 1"):
+            fn(model, Topology(tp=2), micro_batch_size=0, microbatches=2, precision="fp32")
+        with pytest.raises(ValueError, match=f"{name}: microbatches=0 must be an integer >= 1"):
+            fn(model, Topology(tp=2), micro_batch_size=2, microbatches=0, precision="fp32")
+        with pytest.raises(ValueError, match="hidden=32 is not divisible by tp=3"):
+            fn(model, Topology(tp=3), micro_batch_size=2, microbatches=2, precision="fp32")
+        with pytest.raises(ValueError, match=r"3 pipeline stages \(pp=3 x chunks=1\) but only layers=2"):
+            fn(model, Topology(pp=3), micro_batch_size=2, microbatches=3, precision="fp32")
+
+
 def test_an_abandoned_step_frees_its_activations():
     # Saved outputs must not hold their own autograd node (node -> saved box -> tensor -> grad_fn):
     # such a cycle runs through C++, the collector cannot free it, and an abandoned step (reset,

@@ -36,7 +36,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from mlmkit.estimate.params import local_parameters, moe_kept_per_expert, shard_unit_sizes, stage_layout
+from mlmkit.estimate.params import (check_estimate, local_parameters, moe_kept_per_expert, shard_unit_sizes,
+                                    stage_layout)
 from mlmkit.pipeline.schedule import V_SCHEDULES, stage_rank
 from mlmkit.model.config import GPTConfig
 from mlmkit.topology import Topology
@@ -123,6 +124,8 @@ def estimate_comm(model: GPTConfig, topology: Topology, *, micro_batch_size: int
                          "estimate_train_comm(config), which takes everything from the config")
     if precision not in ("fp32", "bf16") or grad_reduce not in ("fp32", "bf16"):
         raise ValueError(f"precision={precision!r}, grad_reduce={grad_reduce!r}: expected 'fp32' or 'bf16'")
+    check_estimate(model, topology, micro_batch_size=micro_batch_size, microbatches=microbatches, chunks=chunks,
+                   sequence_parallel=sequence_parallel, what="estimate_comm")
     full_recompute = recompute is True or recompute == "full"
     reruns_core = full_recompute or recompute == "selective"
     cp = topology.cp

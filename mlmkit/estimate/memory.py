@@ -63,7 +63,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
-from mlmkit.estimate.params import local_parameters, moe_kept_per_expert, shard_unit_sizes, stage_layout
+from mlmkit.estimate.params import (check_estimate, local_parameters, moe_kept_per_expert, shard_unit_sizes,
+                                    stage_layout)
 from mlmkit.model.config import GPTConfig
 from mlmkit.pipeline.schedule import make_schedule
 from mlmkit.topology import Topology
@@ -417,6 +418,8 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
         raise ValueError("estimate_memory: give precision='fp32' or 'bf16' (the run's; never assumed), or call "
                          "estimate_train_memory(config), which takes everything from the config")
     pr = _precision(precision)
+    check_estimate(model, topology, micro_batch_size=micro_batch_size, microbatches=microbatches, chunks=chunks,
+                   sequence_parallel=sequence_parallel, what="estimate_memory")
     sched = make_schedule(schedule, stages=topology.pp, microbatches=microbatches, chunks=chunks, layers=model.layers,
                           microbatch_group=microbatch_group)
     placement = sched.placement

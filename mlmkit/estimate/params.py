@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 from mlmkit.model.config import GPTConfig
 from mlmkit.topology import Topology
 
-__all__ = ["LocalParam", "local_parameters", "moe_kept_per_expert", "moe_parameter_counts", "shard_unit_sizes",
+__all__ = ["LocalParam", "check_estimate", "local_parameters", "moe_kept_per_expert", "moe_parameter_counts", "shard_unit_sizes",
            "stage_layout", "total_parameters"]
 
 
@@ -195,3 +195,16 @@ def shard_unit_sizes(model: GPTConfig, topology: Topology, *, pp_rank: int, chun
             out.append({"chunk": st["chunk"], "kind": "layer", "pre_process": st["pre_process"],
                         "numel": sum(q.numel for q in mine if q.name.startswith(f"layers.{i}."))})
     return out
+
+
+def check_estimate(model: GPTConfig, topology: Topology, *, micro_batch_size: object, microbatches: object,
+                   chunks: object = 1, sequence_parallel: bool = False, what: str = "estimate") -> None:
+    """ValueError naming what an estimate cannot be made for: a micro-batch size or microbatch count
+    that is not a positive integer, or a model that this topology cannot split (the trainer's own
+    check, :meth:`GPTConfig.check_parallel`): such numbers would describe no run."""
+    for name, value in (("micro_batch_size", micro_batch_size), ("microbatches", microbatches), ("chunks", chunks)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{what}: {name}={value!r} must be an integer >= 1")
+    model.check_parallel(tp=topology.tp, pp=topology.pp, chunks=chunks, sequence_parallel=sequence_parallel,
+                         cp=topology.cp, ep=topology.ep, expert_tp=topology.expert_tp)
+

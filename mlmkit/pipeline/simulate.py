@@ -13,6 +13,8 @@ path is checked by :mod:`mlmkit.pipeline.batching`).
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections import deque
 from dataclasses import dataclass, fields
 from typing import Mapping, Optional, Sequence, Union
@@ -43,6 +45,17 @@ class Costs:
     p2p_latency: float = 0.0
     p2p_bandwidth: float = 0.0
     message_bytes: float = 0.0
+
+    def __post_init__(self) -> None:
+        # A negative or non-finite cost gives a timeline of no real run (NaN steps, actions that end
+        # before they start): refused here, naming the kind.
+        for f in fields(self):
+            value = getattr(self, f.name)
+            values = ([value] if isinstance(value, numbers.Real) else
+                      list(value.values()) if isinstance(value, Mapping) else list(value))
+            for v in values:
+                if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < 0:
+                    raise ValueError(f"costs.{f.name}={value!r}: every cost must be a finite number >= 0")
 
     @classmethod
     def from_mapping(cls, costs: Union["Costs", Mapping]) -> "Costs":
