@@ -253,6 +253,9 @@ def test_a_config_for_another_grid_is_refused_with_the_fix(cluster):
                                          r"Topology\(tp=2, pp=2, dp=1\): change the config's degrees to the "
                                          r"cluster's, or start a cluster for it \(Cluster\(topology=config.topology\)\)"):
         cluster.session(CFG.replace(tp=1, dp=2))
+    # A corpus no engine could read is named here, not in a traceback from every engine.
+    with pytest.raises(ValueError, match=r"corpus='/no/such/corpus.txt' does not exist"):
+        cluster.session(CFG.replace(corpus="/no/such/corpus.txt"))
 
 
 def test_reset_half_way_then_the_step_equals_an_uninterrupted_one(cluster):

@@ -384,6 +384,8 @@ def test_flipped_byte_and_damaged_metadata_are_named(small_checkpoint, tmp_path)
     (dict(zero1=1), r"zero1=1 must be true or false"),
     (dict(warmup_steps=-1), r"warmup_steps=-1 must be an integer >= 0"),
     (dict(lr=float("nan")), r"lr=nan must be a number"),
+    (dict(lr=float("inf")), r"lr=inf must be a finite number"),
+    (dict(weight_decay=float("inf")), r"weight_decay=inf must be a finite number"),
     (dict(model={"vocab_size": 101}), r"model.vocab_size=101 is smaller than the byte tokenizer's vocabulary \(256\)"),
     (dict(model={"seed": "7"}), r"GPTConfig: seed='7' must be an integer >= 0"),
     (dict(model={"tie_embeddings": "yes"}), r"tie_embeddings='yes' must be true or false"),
@@ -400,6 +402,21 @@ def test_bad_train_configs_are_named(change, needle):
 def test_bad_cli_flags_fail_before_any_process_group(flags, needle):
     out = subprocess.run([sys.executable, "-m", "mlmkit.train", *flags], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and needle in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("corpus,needle", [("missing.txt", "does not exist"), (".", "is a directory"),
+                                           ("short.txt", "has 5 bytes (tokens), too few for one window of seq_len+1=33")])
+def test_a_corpus_no_rank_can_read_fails_before_any_process_group(corpus, needle, tmp_path):
+    # It failed in every rank's Trainer, after the process groups were built, with a traceback.
+    (tmp_path / "short.txt").write_text("short")
+    path = str(tmp_path / corpus)
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps({"model": {"vocab_size": 256, "seq_len": 32, "hidden": 64, "heads": 4, "layers": 4},
+                                  "corpus": path, "max_steps": 1}))
+    out = subprocess.run([sys.executable, "-m", "mlmkit.train", "--config", str(config)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode != 0 and f"python -m mlmkit.train: corpus={path!r} {needle}" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_global_batch_not_divisible():

@@ -54,6 +54,7 @@ from mlmkit.cluster.cluster import Cluster, RankError
 from mlmkit.pipeline import ScheduleCursor, make_schedule
 from mlmkit.pipeline.batching import BatchCursor, plan_batches
 from mlmkit.pipeline.cursor import unfinished_microbatches
+from mlmkit.train.config import check_corpus
 
 __all__ = ["Session", "StateLost"]
 
@@ -221,6 +222,7 @@ class Session:
                     ": change the config's degrees to the cluster's, or start a cluster for it "
                     "(Cluster(topology=config.topology))")
             raise ValueError(f"the config asks for {config.topology!r} but the cluster runs {cluster.topology!r}{hint}")
+        check_corpus(config.corpus, seq_len=config.model.seq_len)      # here, not once per engine
         if save_every_step and not checkpoint_dir:
             raise ValueError("Session: save_every_step=True needs a checkpoint_dir to save into")
         self.cluster, self.config = cluster, config

@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from mlmkit.train.config import TrainConfig, demo_config
+from mlmkit.train.config import TrainConfig, check_corpus, demo_config
 
 
 def _parse(argv):
@@ -105,6 +105,7 @@ def main(argv=None) -> int:
     args = _parse(argv)
     try:
         cfg = build_config(args)  # bad configs fail here, before any process group exists
+        check_corpus(cfg.corpus, seq_len=cfg.model.seq_len)
     except ValueError as err:
         raise SystemExit(f"python -m mlmkit.train: {err}") from None
     if args.print_world_size:

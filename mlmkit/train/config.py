@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
@@ -10,7 +11,7 @@ from mlmkit.model.config import GPTConfig, reject_unknown_keys
 from mlmkit.pipeline.schedule import SCHEDULES, make_schedule
 from mlmkit.topology import Topology
 
-__all__ = ["TOKENIZER_VOCAB", "TrainConfig", "demo_config"]
+__all__ = ["TOKENIZER_VOCAB", "TrainConfig", "check_corpus", "demo_config"]
 
 #: Vocabulary of the byte tokenizer the trainer uses (:class:`mlmkit.train.data.ByteTokenizer`).
 TOKENIZER_VOCAB = 256
@@ -169,6 +170,8 @@ class TrainConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
                 raise ValueError(f"TrainConfig: {name}={v!r} must be a number")
+            if v in (float("inf"), float("-inf")):
+                raise ValueError(f"TrainConfig: {name}={v!r} must be a finite number")
         if self.grad_clip < 0:
             raise ValueError(f"TrainConfig: grad_clip={self.grad_clip} must be >= 0 (a negative clip turns the "
                              f"update into gradient ascent); use 0 to switch clipping off")
@@ -260,6 +263,21 @@ class TrainConfig:
     def save(self, path: str) -> None:
         with open(path, "w") as f:
             json.dump(self.to_dict(), f, indent=2)
+
+
+def check_corpus(path: Optional[str], *, seq_len: int) -> None:
+    """ValueError naming a corpus that no rank could train on: missing, not a file, or shorter than
+    one window (``seq_len + 1`` bytes; a byte is a token). Drivers call it before any process group
+    exists (``python -m mlmkit.train``, :meth:`mlmkit.cluster.Cluster.session`)."""
+    if path is None:
+        return
+    if not os.path.isfile(path):
+        what = "is a directory" if os.path.isdir(path) else "does not exist"
+        raise ValueError(f"corpus={path!r} {what}: give a UTF-8 text file (or no corpus: the shipped one)")
+    size = os.path.getsize(path)
+    if size <= seq_len + 1:
+        raise ValueError(f"corpus={path!r} has {size} bytes (tokens), too few for one window of seq_len+1="
+                         f"{seq_len + 1}: give a longer text or a shorter seq_len")
 
 
 def demo_config(**overrides) -> TrainConfig:

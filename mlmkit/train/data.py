@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from mlmkit.train.config import TOKENIZER_VOCAB
+from mlmkit.train.config import TOKENIZER_VOCAB, check_corpus
 
 __all__ = ["ByteTokenizer", "TextData", "default_corpus"]
 
@@ -38,8 +38,7 @@ class TextData:
 
     def __init__(self, *, seq_len: int, path: Optional[str] = None, seed: int = 0):
         self.path = path or default_corpus()
-        if not os.path.exists(self.path):
-            raise FileNotFoundError(f"corpus file {self.path} does not exist")
+        check_corpus(self.path, seq_len=seq_len)
         with open(self.path, encoding="utf-8") as f:
             self.tokens = ByteTokenizer().encode(f.read())
         if len(self.tokens) <= seq_len + 1:
