@@ -8,7 +8,8 @@ time = the slowest rank's. Pairs:
 - gpipe, 1f1b: mlmkit against torch's ScheduleGPipe / Schedule1F1B;
 - interleaved-1f1b against torch's ScheduleInterleaved1F1B; torch's ScheduleInterleavedZeroBubble
   order run by mlmkit (``from_torch``) against torch's runtime running it; zb-v against torch's
-  ScheduleZBVZeroBubble (2 chunks per rank);
+  ScheduleZBVZeroBubble (2 chunks per rank), dualpipev against ScheduleDualPipeV (DeepSeek's DualPipe
+  in its V form, 2 chunks per rank);
 - zb-h1 against mlmkit's own 1f1b (a zero-bubble schedule must beat the plain one), on the model
   above and on the same stages three times wider (``WIDE``), where W is GEMM-bound.
 
@@ -56,7 +57,8 @@ CFG = tiny_config(layers=8, hidden=128, heads=4, seq_len=64, vocab_size=256, tie
 WIDE = tiny_config(layers=8, hidden=384, heads=4, seq_len=64, vocab_size=256, tie_embeddings=False)
 MB = 4
 TORCH_CLASS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
-               "torch:interleaved-zb": "ScheduleInterleavedZeroBubble", "zb-v": "ScheduleZBVZeroBubble"}
+               "torch:interleaved-zb": "ScheduleInterleavedZeroBubble", "zb-v": "ScheduleZBVZeroBubble",
+               "dualpipev": "ScheduleDualPipeV"}
 
 
 def _p2p_latency(groups, shape, reps=20):
@@ -86,7 +88,7 @@ def _torch_side(groups, name, m, chunks, cfg):
     from torch.distributed.pipelining import PipelineStage
 
     p, r = groups.topology.pp, groups.coords.pp
-    placement = "v" if name == "zb-v" else "loop"
+    placement = "v" if name in ("zb-v", "dualpipev") else "loop"
     models = build_model_chunks(cfg, groups=groups, chunks=chunks, placement=placement)
     stages = [PipelineStage(mod, mod.stage.index, p * chunks, torch.device("cpu"), group=groups.pp.pg)
               for mod in models]
@@ -108,7 +110,7 @@ def _rank(rank, world_size, name, m, reps, versus, windows, config=None, calibra
     ``config``: the model (default :data:`CFG`); ``calibrate=False``: costs and latency are None."""
     cfg = config or CFG
     groups = ProcessGroups.build(Topology(pp=world_size))
-    chunks = 2 if name in ("interleaved-1f1b", "zb-v", "torch:interleaved-zb") else 1
+    chunks = 2 if name in ("interleaved-1f1b", "zb-v", "dualpipev", "torch:interleaved-zb") else 1
     theirs_sched, theirs_models = (None, None)
     if versus == "torch":
         theirs_sched, theirs_models = _torch_side(groups, name, m, chunks, cfg)
@@ -180,7 +182,7 @@ def _rank(rank, world_size, name, m, reps, versus, windows, config=None, calibra
 
 
 CASES = [("gpipe", "torch"), ("1f1b", "torch"), ("zb-h1", "1f1b"), ("interleaved-1f1b", "torch"),
-         ("torch:interleaved-zb", "torch"), ("zb-v", "torch")]
+         ("torch:interleaved-zb", "torch"), ("zb-v", "torch"), ("dualpipev", "torch")]
 
 
 def run(quick: bool = False) -> list[Row]:
