@@ -404,8 +404,9 @@ def test_bad_cli_flags_fail_before_any_process_group(flags, needle):
     assert out.returncode != 0 and needle in out.stderr, out.stderr[-2000:]
 
 
-@pytest.mark.parametrize("corpus,needle", [("missing.txt", "does not exist"), (".", "is a directory"),
-                                           ("short.txt", "has 5 bytes (tokens), too few for one window of seq_len+1=33")])
+@pytest.mark.parametrize("corpus,needle", [
+    ("missing.txt", "does not exist"), (".", "is a directory"),
+    ("short.txt", "has 5 bytes (tokens), too few for one window of seq_len+1=33")])
 def test_a_corpus_no_rank_can_read_fails_before_any_process_group(corpus, needle, tmp_path):
     # It failed in every rank's Trainer, after the process groups were built, with a traceback.
     (tmp_path / "short.txt").write_text("short")

@@ -13,8 +13,8 @@ from typing import Optional, Sequence
 from mlmkit.model.config import GPTConfig
 from mlmkit.topology import Topology
 
-__all__ = ["LocalParam", "check_estimate", "local_parameters", "moe_kept_per_expert", "moe_parameter_counts", "shard_unit_sizes",
-           "stage_layout", "total_parameters"]
+__all__ = ["LocalParam", "check_estimate", "local_parameters", "moe_kept_per_expert", "moe_parameter_counts",
+           "shard_unit_sizes", "stage_layout", "total_parameters"]
 
 
 @dataclass(frozen=True)
@@ -207,4 +207,3 @@ def check_estimate(model: GPTConfig, topology: Topology, *, micro_batch_size: ob
             raise ValueError(f"{what}: {name}={value!r} must be an integer >= 1")
     model.check_parallel(tp=topology.tp, pp=topology.pp, chunks=chunks, sequence_parallel=sequence_parallel,
                          cp=topology.cp, ep=topology.ep, expert_tp=topology.expert_tp)
-

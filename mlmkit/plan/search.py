@@ -35,10 +35,7 @@ _CONSTRAINTS = ("tp", "cp", "pp", "dp", "ep", "chunks", "schedule", "micro_batch
 def search_space(model: GPTConfig, hw: Hardware, *, gpus: int, global_batch_size: int, seq_len: int,
                  **fixed) -> list[Layout]:
     """The layouts :func:`plan` predicts (module docstring); ``fixed``: constraints."""
-    unknown = sorted(set(fixed) - set(_CONSTRAINTS))
-    if unknown:
-        raise ValueError(f"plan: unknown constraint(s) {unknown}; expected some of {', '.join(_CONSTRAINTS)}")
-    check_layout_fields(**{k: v for k, v in fixed.items() if v is not None})
+    _check_constraints(fixed)
     if fixed.get("schedule") is not None and hw.runtime == "megatron" and fixed["schedule"] not in MEGATRON_SCHEDULES:
         raise ValueError(f"plan: schedule={fixed['schedule']!r}: the time model of Megatron-LM's runtime ({hw.name}) "
                          f"covers {' and '.join(MEGATRON_SCHEDULES)}; plan with one of them, or on local-cpu")
@@ -101,6 +98,10 @@ def check_request(*, gpus: object, global_batch_size: object, seq_len: object = 
     check_seq_len(seq_len)
     if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 0):
         raise ValueError(f"plan: top={top!r} must be a positive integer (0 or None: every layout)")
+    _check_constraints(constraints)
+
+
+def _check_constraints(constraints: dict) -> None:
     unknown = sorted(set(constraints) - set(_CONSTRAINTS))
     if unknown:
         raise ValueError(f"plan: unknown constraint(s) {unknown}; expected some of {', '.join(_CONSTRAINTS)}")
@@ -112,8 +113,9 @@ def plan(model: GPTConfig, *, gpus: int, gpu="h100-sxm", global_batch_size: int,
     """Ranked layouts for training ``model`` on ``gpus`` GPUs of type ``gpu`` (a preset name of
     :data:`mlmkit.plan.GPUS` or a :class:`Hardware`), with ``global_batch_size`` sequences of
     ``seq_len`` tokens (default: the model's) per step. ``constraints`` fix any of tp, cp, pp, dp,
-    ep, chunks, schedule, micro_batch_size, recompute, zero, sequence_parallel (default on). Returns a DataFrame (:data:`COLUMNS`),
-    its ``top`` best rows when ``top`` is a positive integer (0 or None: every layout)."""
+    ep, chunks, schedule, micro_batch_size, recompute, zero, sequence_parallel (default on).
+    Returns a DataFrame (:data:`COLUMNS`): its ``top`` best rows when ``top`` is a positive integer
+    (0 or None: every layout)."""
     import pandas as pd
 
     hw = hardware(gpu)
