@@ -25,6 +25,36 @@ from mlmkit.viz import (
 )
 
 
+def _comm_frame():
+    return pd.DataFrame([dict(rank=0, op="all_reduce", axis="tp", ranks=(0, 1), bytes=64, wire_bytes=64, start=0.0,
+                              end=1.0, site="x", phase="forward")])
+
+
+@pytest.mark.parametrize("figure,frame,needle", [
+    # the frames a notebook holds side by side, handed to the wrong figure
+    (timeline_figure, "comm", r"timeline_figure: the frame lacks 'action', 'microbatch', 'chunk' .* expected a "
+                              r"timeline: simulate\(...\).timeline, or the 'events' of a trace"),
+    (bubble_table, "memory", r"bubble_table: the frame lacks 'start', 'end'"),
+    (comm_heatmap, "timeline", r"comm_heatmap: the frame lacks 'op', 'axis', 'ranks', 'wire_bytes' .* expected the "
+                               r"'comm' frame of a trace"),
+    (comm_by_axis_figure, "timeline", r"comm_by_axis_figure: the frame lacks 'op', 'axis'"),
+    (comm_timeline_figure, "timeline", r"comm_timeline_figure: the frame lacks 'op', 'axis'"),
+    (memory_figure, "comm", r"memory_figure: the frame lacks 'time', 'parameters', .* expected the 'memory' frame"),
+    (comm_matrix, "list", r"comm_matrix: expected a pandas DataFrame \(the 'comm' frame of a trace .*got list"),
+])
+def test_a_figure_handed_another_frame_says_which(figure, frame, needle):
+    # They failed with AttributeError 'start' or KeyError 'rank' from inside pandas and plotly.
+    frames = {"comm": _comm_frame(), "timeline": simulate(make_schedule("1f1b", stages=2, microbatches=2),
+                                                         {"forward": 1, "backward": 2}).timeline,
+              "memory": pd.DataFrame(columns=["rank", "time", "parameters", "gradients", "optimizer", "activations",
+                                              "activations_peak"]),
+              "list": [1, 2]}
+    with pytest.raises((ValueError, TypeError), match=needle):
+        figure(frames[frame])
+    with pytest.raises(ValueError, match=r"timeline_comparison \(measured\): the frame lacks"):
+        timeline_comparison(frames["timeline"], frames["comm"])
+
+
 @pytest.mark.parametrize("name,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)])
 def test_timeline_blocks_and_bubble_share(name, chunks):
     res = simulate(make_schedule(name, stages=4, microbatches=8, chunks=chunks),

@@ -15,10 +15,34 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 __all__ = [
-    "ACTION_COLORS", "MEMORY_COLORS", "bubble_table", "comm_by_axis_figure", "comm_heatmap", "comm_matrix",
+    "ACTION_COLORS", "MEMORY_COLORS", "bubble_table", "require_columns", "comm_by_axis_figure", "comm_heatmap", "comm_matrix",
     "activation_peaks_figure", "comm_timeline_figure", "memory_figure", "save_html", "shard_figure", "shard_matrix_figure", "timeline_comparison", "timeline_figure",
     "topology_figure",
 ]
+
+#: What each kind of frame must hold, and where such a frame comes from (for the error a user sees
+#: when a figure is handed another frame).
+TIMELINE = (("rank", "start", "end"), "a timeline: simulate(...).timeline, or the 'events' of a trace "
+            "(Trainer.traces(), merge_traces(...), Session.traces())")
+ACTIONS = (("rank", "action", "microbatch", "chunk", "start", "end"), TIMELINE[1])
+COMM = (("rank", "op", "axis", "ranks", "wire_bytes"), "the 'comm' frame of a trace (Trainer.traces()['comm'], "
+        "merge_traces(...)['comm'])")
+COMM_TIMED = (COMM[0] + ("bytes", "site", "start", "end"), COMM[1])
+MEMORY = (("rank", "time", "parameters", "gradients", "optimizer", "activations", "activations_peak"),
+          "the 'memory' frame of a trace (Trainer.traces()['memory'], merge_traces(...)['memory'])")
+
+
+def require_columns(frame, spec, *, what: str) -> None:
+    """ValueError (TypeError for no DataFrame) naming the columns ``frame`` lacks for ``what``:
+    ``spec`` is (columns, where such a frame comes from), e.g. :data:`TIMELINE`."""
+    columns, source = spec
+    if not isinstance(frame, pd.DataFrame):
+        raise TypeError(f"{what}: expected a pandas DataFrame ({source}), got {type(frame).__name__}")
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise ValueError(f"{what}: the frame lacks {', '.join(map(repr, missing))} (its columns: "
+                         f"{list(frame.columns)}); expected {source}")
+
 
 ACTION_COLORS = {"F": "#4C78A8", "B": "#F58518", "I": "#E45756", "W": "#54A24B"}
 #: Hatching of model chunks 0, 1, 2, ... in timelines (chunk 0 plain).
@@ -98,6 +122,7 @@ def topology_figure(frame: pd.DataFrame, *, color_by: str = "pp") -> go.Figure:
 def bubble_table(timeline: pd.DataFrame) -> pd.DataFrame:
     """Per rank: busy time, idle (bubble) time and bubble share of the step, from a timeline
     (columns rank, start, end). The step spans the earliest start to the latest end of any rank."""
+    require_columns(timeline, TIMELINE, what="bubble_table")
     t0, t1 = timeline.start.min(), timeline.end.max()
     step = t1 - t0
     busy = (timeline.end - timeline.start).groupby(timeline["rank"]).sum()
@@ -189,6 +214,7 @@ def timeline_figure(timeline: pd.DataFrame, *, title: str = "Pipeline timeline",
     ``timeline``: columns rank, action, microbatch, chunk, start, end (a simulation's
     ``SimResult.timeline`` or a measured trace's ``events``).
     """
+    require_columns(timeline, ACTIONS, what="timeline_figure")
     bubbles = bubble_table(timeline)
     fig = go.Figure(_timeline_traces(timeline))
     ranks = sorted(timeline["rank"].unique())
@@ -207,6 +233,8 @@ def timeline_comparison(simulated: pd.DataFrame, measured: pd.DataFrame, *, titl
 
     Pass a simulation calibrated in seconds (``Costs`` from measured action times) for a shared scale.
     """
+    require_columns(simulated, ACTIONS, what="timeline_comparison (simulated)")
+    require_columns(measured, ACTIONS, what="timeline_comparison (measured)")
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
                         subplot_titles=(f"simulated (bubble {_share(simulated):.1%})",
                                         f"measured (bubble {_share(measured):.1%})"))
@@ -236,6 +264,7 @@ def memory_figure(memory: pd.DataFrame, *, estimate: Optional[pd.DataFrame] = No
     ``memory``: a memory trace (columns rank, time, parameters, gradients, optimizer, activations,
     activations_peak). ``estimate``: :func:`mlmkit.estimate.estimate_memory` (index rank).
     """
+    require_columns(memory, MEMORY, what="memory_figure")
     ranks = sorted(memory["rank"].unique())
     cols = min(len(ranks), 4)
     rows = -(-len(ranks) // cols)
@@ -303,6 +332,7 @@ def comm_matrix(comm: pd.DataFrame) -> pd.DataFrame:
     its successor in the ring (the group's next rank), which is how ring all-reduce, all-gather and
     reduce-scatter move data.
     """
+    require_columns(comm, COMM, what="comm_matrix")
     rows = []
     for r in comm.itertuples(index=False):
         if not r.wire_bytes:
@@ -323,6 +353,7 @@ def comm_matrix(comm: pd.DataFrame) -> pd.DataFrame:
 
 def comm_heatmap(comm: pd.DataFrame) -> go.Figure:
     """Rank-by-rank heatmap of wire bytes (see :func:`comm_matrix`)."""
+    require_columns(comm, COMM, what="comm_heatmap")
     mat = comm_matrix(comm)
     fig = go.Figure(go.Heatmap(z=mat.values / 2**20, x=[f"to {c}" for c in mat.columns], y=[f"from {r}" for r in mat.index],
                                colorscale="Blues", colorbar=dict(title="MiB"),
@@ -333,6 +364,7 @@ def comm_heatmap(comm: pd.DataFrame) -> go.Figure:
 
 def comm_by_axis_figure(comm: pd.DataFrame, *, estimate: Optional[pd.DataFrame] = None) -> go.Figure:
     """Wire bytes per rank, stacked by axis (tp, cp, pp, dp, embedding, world); estimator totals as markers."""
+    require_columns(comm, COMM, what="comm_by_axis_figure")
     table = comm.pivot_table(index="rank", columns="axis", values="wire_bytes", aggfunc="sum", fill_value=0)
     fig = go.Figure()
     for axis in [a for a in AXIS_COLORS if a in table]:
@@ -347,6 +379,7 @@ def comm_by_axis_figure(comm: pd.DataFrame, *, estimate: Optional[pd.DataFrame] 
 
 def comm_timeline_figure(comm: pd.DataFrame, *, t0: Optional[float] = None) -> go.Figure:
     """Collectives and messages on a timeline, one row per rank, coloured by axis."""
+    require_columns(comm, COMM_TIMED, what="comm_timeline_figure")
     t0 = comm.start.min() if t0 is None else t0
     fig = go.Figure()
     for axis in [a for a in AXIS_COLORS if a in set(comm.axis)]:
