@@ -59,6 +59,7 @@ from mlmkit.estimate.flops import forward_flops_per_token, training_flops_per_to
 from mlmkit.estimate.memory import activation_bytes_per_layer, bytes_per_parameter
 from mlmkit.estimate.params import local_parameters
 from mlmkit.model.config import GPTConfig
+from mlmkit.pipeline.schedule import SCHEDULES
 from mlmkit.plan.hardware import GiB, Hardware
 from mlmkit.topology import Topology
 
@@ -86,8 +87,6 @@ def check_layout_fields(*, what: str = "plan", **fields) -> None:
     """ValueError naming the first of ``fields`` (any of :data:`LAYOUT_FIELDS`) that no layout can
     take: degrees, chunks and the micro-batch size are positive integers, the schedule one of
     mlmkit's, recompute none/selective/full, zero 0-3, sequence_parallel a bool."""
-    from mlmkit.pipeline.schedule import SCHEDULES
-
     for name, value in fields.items():
         if name in ("tp", "cp", "pp", "dp", "ep", "chunks", "micro_batch_size"):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -15,7 +15,8 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 __all__ = [
-    "ACTION_COLORS", "MEMORY_COLORS", "bubble_table", "require_columns", "comm_by_axis_figure", "comm_heatmap", "comm_matrix",
+    "ACTION_COLORS", "MEMORY_COLORS", "bubble_table", "require_columns", "comm_by_axis_figure", "comm_heatmap",
+    "comm_matrix",
     "activation_peaks_figure", "comm_timeline_figure", "memory_figure", "save_html", "shard_figure", "shard_matrix_figure", "timeline_comparison", "timeline_figure",
     "topology_figure",
 ]
