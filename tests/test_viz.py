@@ -55,6 +55,59 @@ def test_a_figure_handed_another_frame_says_which(figure, frame, needle):
         timeline_comparison(frames["timeline"], frames["comm"])
 
 
+def _frames():
+    from mlmkit.trace import MOE_COLUMNS, RING_COLUMNS
+
+    return {"comm": _comm_frame(), "timeline": simulate(make_schedule("1f1b", stages=2, microbatches=2),
+                                                        {"forward": 1, "backward": 2}).timeline,
+            "memory": pd.DataFrame(columns=["rank", "time", "action", "parameters", "gradients", "optimizer",
+                                            "activations", "activations_peak"]),
+            "moe (dense model)": pd.DataFrame(columns=list(MOE_COLUMNS)),
+            "ring (cp=1)": pd.DataFrame(columns=list(RING_COLUMNS)),
+            "metrics": pd.DataFrame({"step": [0], "loss": [5.0]}),
+            "stages of timelines": {0: simulate(make_schedule("1f1b", stages=2, microbatches=2),
+                                                {"forward": 1, "backward": 2}).timeline},
+            "list": [1, 2]}
+
+
+@pytest.mark.parametrize("figure,args,needle", [
+    # the pictures of MoE, ZeRO, context parallelism and the planner, handed a frame of another kind
+    ("expert_load_figure", ("comm",), r"expert_load_figure: the frame lacks 'routed', 'kept', 'dropped' .* "
+                                      r"expected the 'moe' frame of a trace of a mixture-of-experts model"),
+    ("expert_load_figure", ("moe (dense model)",), r"expert_load_figure: the moe frame has no rows: the traced "
+                                                   r"model has no mixture-of-experts layer"),
+    ("expert_load", ("metrics",), r"expert_load: the frame lacks 'rank', 'site'"),
+    ("all_to_all_figure", ("memory",), r"all_to_all_figure: the frame lacks 'op', 'axis', 'ranks', 'wire_bytes'"),
+    ("moe_training_figure", ("comm",), r"moe_training_figure: the frame lacks 'step', 'loss' .* expected training "
+                                       r"metrics"),
+    ("parameter_memory_figure", ("comm",), r"parameter_memory_figure: the frame lacks 'time', 'parameters', 'action'"),
+    ("zero_bytes_frame", ("comm",), r"zero_bytes_frame: comms must map each ZeRO stage to its comm trace"),
+    ("zero_bytes_frame", ("stages of timelines",), r"zero_bytes_frame \(stage 0\): the frame lacks 'axis', "
+                                                   r"'wire_bytes'"),
+    ("zero_bytes_figure", ("comm",), r"zero_bytes_figure: the frame lacks 'stage', 'measured'"),
+    ("ring_timeline_figure", ("comm",), r"ring_timeline_figure: the frame lacks 'step', 'src', 'pairs' .* "
+                                        r"expected the 'ring' frame of a trace of a cp > 1 run"),
+    ("ring_timeline_figure", ("ring (cp=1)",), r"ring_timeline_figure: the ring frame has no rows"),
+    ("cp_memory_figure", ("memory",), r"cp_memory_figure: the frame lacks 'cp', 'measured', 'estimated'"),
+    ("plan_breakdown_figure", ("comm",), r"plan_breakdown_figure: the frame lacks 'tp', 'cp', 'pp', 'dp'.* "
+                                         r"expected a plan: mlmkit.plan.plan"),
+    ("plan_memory_figure", ("timeline",), r"plan_memory_figure: the frame lacks 'tp'"),
+    ("plan_vs_measured_figure", ("list",), r"plan_vs_measured_figure: expected a pandas DataFrame"),
+])
+def test_the_other_figures_handed_another_frame_say_which(figure, args, needle):
+    # They failed with KeyError 'routed', AttributeError 'tp' or 'step', or drew an empty picture.
+    import mlmkit.viz as viz
+
+    frames = _frames()
+    kwargs = {"gpu_memory_bytes": 80e9} if figure == "plan_memory_figure" else {}
+    with pytest.raises((ValueError, TypeError), match=needle):
+        getattr(viz, figure)(*[frames[a] for a in args], **kwargs)
+    with pytest.raises(ValueError, match=r"expert_load: column='dropped'; expected 'routed'"):
+        viz.expert_load(_moe_trace(), column="dropped")
+    with pytest.raises(ValueError, match=r"ring_timeline_figure \(comm\): the frame lacks 'op', 'axis'"):
+        viz.ring_timeline_figure(pd.DataFrame({c: [0] for c in frames["ring (cp=1)"].columns}), frames["timeline"])
+
+
 @pytest.mark.parametrize("name,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)])
 def test_timeline_blocks_and_bubble_share(name, chunks):
     res = simulate(make_schedule(name, stages=4, microbatches=8, chunks=chunks),

@@ -12,10 +12,16 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from mlmkit.context_parallel.split import attention_work, chunk_count, held_positions, ring_steps
+from mlmkit.viz.figures import COMM, require_columns
 
 __all__ = ["cp_memory_figure", "cp_split_figure", "cp_work_frame", "ring_timeline_figure"]
 
 _RANK_SCALE = "Turbo"
+#: The frames these pictures take (see :func:`mlmkit.viz.figures.require_columns`).
+RING = (("rank", "site", "phase", "step", "src", "pairs", "start", "end"),
+        "the 'ring' frame of a trace of a cp > 1 run (Trainer.traces()['ring'], merge_traces(...)['ring'])")
+RING_COMM = (("rank", "op", "axis", "bytes", "site", "start", "end"), COMM[1])
+CP_MEMORY = (("cp", "measured", "estimated"), "one row per cp degree with the measured and estimated bytes")
 
 
 def _ranges(positions: list[int]) -> str:
@@ -93,6 +99,12 @@ def ring_timeline_figure(ring: pd.DataFrame, comm: Optional[pd.DataFrame] = None
     backward coloured apart, labelled with the step) and, if ``comm`` is given, the cp messages
     below it (from post to completion). A rank with less to compute shows gaps: it waits for the
     next block."""
+    require_columns(ring, RING, what="ring_timeline_figure")
+    if comm is not None:
+        require_columns(comm, RING_COMM, what="ring_timeline_figure (comm)")
+    if not len(ring):
+        raise ValueError("ring_timeline_figure: the ring frame has no rows: the traced run has no ring attention "
+                         "(cp=1), or the filter left none; trace a step of a run with cp > 1")
     frames = [ring] + ([comm[comm.axis == "cp"]] if comm is not None else [])
     t0 = min(f.start.min() for f in frames if len(f)) if t0 is None else t0
     fig = go.Figure()
@@ -124,6 +136,7 @@ def cp_memory_figure(frame: pd.DataFrame) -> go.Figure:
     """Activation memory per rank against cp: ``frame`` has columns ``cp``, ``measured`` and
     ``estimated`` (bytes, e.g. the peak over ranks of each run); the dotted line is cp=1's
     measurement divided by cp."""
+    require_columns(frame, CP_MEMORY, what="cp_memory_figure")
     df = frame.sort_values("cp")
     fig = go.Figure()
     fig.add_trace(go.Bar(x=df.cp.astype(str), y=df.measured / 2**10, name="measured", marker_color="#E45756"))

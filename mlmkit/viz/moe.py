@@ -8,14 +8,30 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from mlmkit.viz.figures import comm_matrix
+from mlmkit.viz.figures import COMM, comm_matrix, require_columns
 
 __all__ = ["all_to_all_figure", "expert_load", "expert_load_figure", "moe_training_figure"]
+
+#: The frames these pictures take (see :func:`mlmkit.viz.figures.require_columns`).
+MOE = (("rank", "site", "routed", "kept", "dropped"), "the 'moe' frame of a trace of a mixture-of-experts model "
+       "(Trainer.traces()['moe'], merge_traces(...)['moe'], Session.traces()['moe'])")
+METRICS = (("step", "loss"), "training metrics: a DataFrame of the rows Trainer.train_step() returns, or "
+           "Session.metrics()")
+
+
+def _require_moe(moe, what: str) -> None:
+    require_columns(moe, MOE, what=what)
+    if not len(moe):
+        raise ValueError(f"{what}: the moe frame has no rows: the traced model has no mixture-of-experts layer "
+                         f"(experts=0), or no step was traced; trace a step of a model with experts > 0")
 
 
 def expert_load(moe: pd.DataFrame, *, column: str = "routed") -> pd.DataFrame:
     """Assignments per expert (columns) summed over the calls of each (layer, rank) (rows), from a
     ``moe`` trace (:data:`mlmkit.trace.MOE_COLUMNS`); ``column`` "routed" (before capacity) or "kept"."""
+    if column not in ("routed", "kept"):
+        raise ValueError(f"expert_load: column={column!r}; expected 'routed' (before the capacity) or 'kept'")
+    _require_moe(moe, "expert_load")
     rows = []
     for (site, rank), part in moe.groupby(["site", "rank"], sort=True):
         counts = [sum(x) for x in zip(*part[column])]
@@ -27,6 +43,7 @@ def expert_load_figure(moe: pd.DataFrame, *, title: str = "Tokens per expert") -
     """Left: a heat map of the assignments each rank's tokens sent to each expert, one row per
     (layer, rank). Right: the total per expert over ranks and layers, with the even load (total /
     experts) as a line; the title gives the dropped assignments (capacity mode)."""
+    _require_moe(moe, "expert_load_figure")
     load = expert_load(moe)
     total = load.sum(axis=0)
     even = total.sum() / len(total)
@@ -52,6 +69,7 @@ def expert_load_figure(moe: pd.DataFrame, *, title: str = "Tokens per expert") -
 def all_to_all_figure(comm: pd.DataFrame) -> go.Figure:
     """Bytes each rank sent to each rank through the expert all-to-alls (dispatch, combine, their
     backward, the counts), from a ``comm`` trace."""
+    require_columns(comm, COMM, what="all_to_all_figure")
     part = comm[comm.axis == "ep"]
     mat = comm_matrix(part) if len(part) else pd.DataFrame()
     fig = go.Figure(go.Heatmap(z=mat.values / 2**10, x=[f"to {c}" for c in mat.columns],
@@ -65,6 +83,7 @@ def all_to_all_figure(comm: pd.DataFrame) -> go.Figure:
 def moe_training_figure(metrics: pd.DataFrame) -> go.Figure:
     """The language-model loss and the (weighted) load-balancing loss over training steps, from a
     trainer's or session's metrics."""
+    require_columns(metrics, METRICS, what="moe_training_figure")
     fig = make_subplots(specs=[[{"secondary_y": True}]])
     fig.add_trace(go.Scatter(x=metrics.step, y=metrics.loss, name="loss", mode="lines+markers"), secondary_y=False)
     if "aux_loss" in metrics:

@@ -10,7 +10,15 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from mlmkit.viz.figures import COMM, require_columns
+
 __all__ = ["parameter_memory_figure", "zero_bytes_figure", "zero_bytes_frame"]
+
+#: The frames these pictures take (see :func:`mlmkit.viz.figures.require_columns`).
+PARAMETER_MEMORY = (("rank", "time", "parameters", "action"), "the 'memory' frame of a trace "
+                    "(Trainer.traces()['memory'], merge_traces(...)['memory'])")
+ZERO_BYTES = (("stage", "rank", "measured"), "zero_bytes_frame(...)'s frame")
+DP_BYTES = (("rank", "axis", "wire_bytes"), COMM[1])
 
 
 def parameter_memory_figure(memory: pd.DataFrame, *, estimate: Optional[pd.DataFrame] = None,
@@ -18,6 +26,7 @@ def parameter_memory_figure(memory: pd.DataFrame, *, estimate: Optional[pd.DataF
     """Parameter bytes per rank over time (one panel per rank, a step line through every row of
     the memory trace: each gather of a ZeRO-3 unit adds a row), with the estimator's peak (dashed)
     if ``estimate`` (:func:`mlmkit.estimate.estimate_memory`) is given."""
+    require_columns(memory, PARAMETER_MEMORY, what="parameter_memory_figure")
     ranks = sorted(memory["rank"].unique())
     cols = min(len(ranks), 4)
     rows = -(-len(ranks) // cols)
@@ -47,6 +56,11 @@ def zero_bytes_frame(comms: Mapping[int, pd.DataFrame], *, estimates: Optional[M
                      steps: int = 1) -> pd.DataFrame:
     """dp wire bytes per rank and step for each ZeRO stage (``comms``: stage -> comm trace), with the
     estimates (stage -> :func:`mlmkit.estimate.estimate_comm`) and the ratio to stage 0."""
+    if not isinstance(comms, Mapping):
+        raise TypeError(f"zero_bytes_frame: comms must map each ZeRO stage to its comm trace ({{0: comm0, 3: comm3}}), "
+                        f"got {type(comms).__name__}")
+    for stage, comm in comms.items():
+        require_columns(comm, DP_BYTES, what=f"zero_bytes_frame (stage {stage!r})")
     rows = []
     for stage, comm in comms.items():
         dp = comm[comm.axis == "dp"].groupby("rank").wire_bytes.sum() // steps
@@ -65,6 +79,7 @@ def zero_bytes_frame(comms: Mapping[int, pd.DataFrame], *, estimates: Optional[M
 def zero_bytes_figure(frame: pd.DataFrame, *, title: str = "dp bytes per rank and step by ZeRO stage") -> go.Figure:
     """Grouped bars of :func:`zero_bytes_frame`: one group per rank, one bar per stage, the estimate
     as a marker on each bar."""
+    require_columns(frame, ZERO_BYTES, what="zero_bytes_figure")
     fig = go.Figure()
     colors = {0: "#9D9D9D", 1: "#4C78A8", 2: "#F58518", 3: "#E45756"}
     for stage, part in frame.groupby("stage"):
