@@ -1,5 +1,6 @@
 """3D training against a plain-PyTorch serial run; checkpoints that reshard and survive crashes; torchrun."""
 
+import dataclasses
 import json
 import math
 import os
@@ -118,6 +119,27 @@ def test_recompute_sequence_parallel_interleaved(reference):
                        chunks=2, zero1=True, batch_p2p=True)
     results = run_ranks(_train, world_size=8, args=(cfg.to_dict(), 5), timeout_s=300)
     assert _close(results[0], reference)
+
+
+@pytest.mark.parametrize("layout", [
+    # the split backward (I and W), sequence parallelism: the tp ranks' own dropout streams
+    dict(tp=2, pp=2, sequence_parallel=True, schedule="zb-h1"),
+    # ZeRO-3: the parameters gathered again for the recomputation; interleaved chunks
+    dict(pp=2, dp=2, zero=3, schedule="interleaved-1f1b", chunks=2),
+], ids=["tp2-sp-pp2-zbh1", "pp2-dp2-zero3-interleaved"])
+def test_recomputation_replays_the_dropout_masks(layout):
+    # With dropout a layout cannot equal the serial run (each draws its own masks, as Megatron-LM's
+    # ranks do), but a recomputed layer must draw the masks its forward drew, or the backward
+    # differentiates another network and nothing says so: losses and gradient norms (clipping on)
+    # the same with no, selective and full recomputation.
+    cfg = BASE.replace(model=dataclasses.replace(MODEL, dropout=0.1), **layout)
+    runs = {rc: run_ranks(_train_metrics, world_size=cfg.world_size, args=(cfg.replace(recompute=rc).to_dict(), 3),
+                          timeout_s=300)[0] for rc in ("none", "selective", "full")}
+    for rc in ("selective", "full"):
+        assert all(_close(got, want, 1e-6) for got, want in zip(runs[rc], runs["none"])), (rc, runs)
+    without = run_ranks(_train_metrics, world_size=cfg.world_size, args=(BASE.replace(**layout).to_dict(), 3),
+                        timeout_s=300)[0]
+    assert without[0][0] != runs["none"][0][0]            # the masks were drawn
 
 
 def _train(rank, world_size, cfg_dict, steps):
