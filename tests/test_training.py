@@ -142,6 +142,18 @@ def test_recomputation_replays_the_dropout_masks(layout):
     assert without[0][0] != runs["none"][0][0]            # the masks were drawn
 
 
+@pytest.mark.parametrize("layout", [dict(tp=2, pp=2, sequence_parallel=True), dict(dp=2, zero=3, recompute="full")],
+                         ids=["tp2-sp-pp2", "dp2-zero3-full"])
+def test_resuming_with_dropout_draws_the_masks_the_run_would_have(layout, tmp_path):
+    # The checkpoint holds every rank's random streams (the tp ranks' own and the replicated one):
+    # resumed in the same layout, the next steps draw the masks the uninterrupted run drew.
+    cfg = BASE.replace(model=dataclasses.replace(MODEL, dropout=0.1), **layout)
+    results = run_ranks(_train_save_resume, world_size=cfg.world_size, args=(cfg.to_dict(), str(tmp_path / "ckpt")),
+                        timeout_s=300)
+    for losses, resumed in results:
+        assert resumed == losses[3:], (resumed, losses)
+
+
 def _train(rank, world_size, cfg_dict, steps):
     cfg = TrainConfig.from_dict(cfg_dict)
     trainer = _trainer(cfg, ProcessGroups.build(cfg.topology))
