@@ -154,6 +154,56 @@ def test_resuming_with_dropout_draws_the_masks_the_run_would_have(layout, tmp_pa
         assert resumed == losses[3:], (resumed, losses)
 
 
+def _dropout_masks_of_one_step(rank, world_size, cfg_dict):
+    """Every dropout mask this rank drew in one training step, in order (``[...]`` bools, True = dropped)."""
+    import mlmkit.model.blocks as blocks
+    import mlmkit.model.gpt as gpt
+    import mlmkit.moe.layer as moe_layer
+    from mlmkit.tensor_parallel.random import dropout
+
+    masks = []
+
+    def recording(x, p, *, generator, training):
+        out = dropout(x, p, generator=generator, training=training)
+        if training and p > 0:
+            masks.append((out == 0).flatten())
+        return out
+
+    for module in (blocks, gpt, moe_layer):
+        module.dropout = recording
+    try:
+        cfg = TrainConfig.from_dict(cfg_dict)
+        trainer = Trainer(cfg, groups=ProcessGroups.build(cfg.topology) if world_size > 1 else ProcessGroups.single())
+        with torch.no_grad():
+            for chunk in trainer.chunks:            # no zero to drop: a dropped element reads 0
+                for param in chunk.parameters():
+                    param.add_(1e-3)
+        trainer.train_step()
+    finally:
+        for module in (blocks, gpt, moe_layer):
+            module.dropout = dropout
+    return masks
+
+
+@pytest.mark.parametrize("layout", [dict(pp=2), dict(pp=2, schedule="interleaved-1f1b", chunks=2),
+                                    dict(pp=2, schedule="zb-v", chunks=2), dict(pp=1, schedule="dualpipev", chunks=2)],
+                         ids=["pp2-1f1b", "pp2-interleaved", "pp2-zbv", "pp1-dualpipev"])
+def test_model_chunks_on_one_rank_draw_their_own_dropout_masks(layout):
+    # Each model chunk holds its own random streams; seeded by the pipeline rank alone, the chunks of
+    # one rank drew the same sequence of masks, so two layers of different chunks dropped the same
+    # elements for every microbatch (a correlation no single-stream run has, and nothing said so).
+    cfg = BASE.replace(model=dataclasses.replace(MODEL, dropout=0.1, layers=8), micro_batch_size=2, global_batch_size=8,
+                       **layout)
+    for rank, masks in enumerate(run_ranks(_dropout_masks_of_one_step, world_size=cfg.world_size,
+                                           args=(cfg.to_dict(),), timeout_s=300)):
+        assert len(masks) > 8
+        seen = {}
+        for i, mask in enumerate(masks):
+            key = (mask.numel(), hash(mask.numpy().tobytes()))
+            assert key not in seen, f"rank {rank}: dropout draws {seen[key]} and {i} dropped the same elements"
+            seen[key] = i
+
+
 def _train(rank, world_size, cfg_dict, steps):
     cfg = TrainConfig.from_dict(cfg_dict)
     trainer = _trainer(cfg, ProcessGroups.build(cfg.topology))

@@ -73,8 +73,9 @@ class Stage:
         layers: global indices of the Transformer layers, contiguous and increasing.
         pre_process: holds the embeddings (first stage).
         post_process: holds final LayerNorm, output head and loss (last stage).
-        index: position of this stage in the whole pipeline (virtual stage with interleaving).
-        pp_rank: the pipeline rank that holds it (seeds the dropout streams, as in Megatron-LM).
+        index: position of this stage in the whole pipeline (virtual stage with interleaving); seeds
+            the dropout streams (Megatron-LM's ``seed + 100 * pp_rank`` for a rank's first chunk).
+        pp_rank: the pipeline rank that holds it.
     """
 
     layers: tuple[int, ...]
@@ -156,7 +157,10 @@ class GPT(nn.Module):
         self.experts_groups = experts
         self.config, self.tp, self.stage, self.sequence_parallel = config, tp, stage, sequence_parallel
         self.cp, self.cp_split = cp, cp_split
-        self.rng = TPRandomState(seed=config.seed, tp_rank=tp.rank, pp_rank=stage.pp_rank, device=device)
+        # Seeded by the virtual stage: Megatron-LM's seeds for the first chunk of each pipeline rank
+        # (its index is the rank); a rank's further chunks get their own streams, or two layers of
+        # different chunks would drop the same elements (Megatron-LM's chunks share one advancing stream).
+        self.rng = TPRandomState(seed=config.seed, tp_rank=tp.rank, pp_rank=stage.index, device=device)
         self.padded_vocab = config.padded_vocab(tp.size)
         self.vocab_start = tp.rank * (self.padded_vocab // tp.size)
         h, sp = config.hidden, sequence_parallel

@@ -10,7 +10,11 @@ Megatron-LM (``tensor_parallel/random.py``) keeps two streams per rank:
   heads are split; and every dropout of the sequence-parallel region, whose sequence is split).
 
 Instead of Megatron's global tracker, mlmkit holds the two ``torch.Generator`` objects in a
-:class:`TPRandomState` that the model owns and passes to its layers.
+:class:`TPRandomState` that each model chunk owns and passes to its layers. With several chunks per
+pipeline rank (interleaved or V-shaped schedules) Megatron's chunks share the rank's one stream, so
+their masks depend on the order the schedule runs them; mlmkit's chunks each have their own, seeded
+by the virtual stage in place of ``pp_rank`` (the same seeds for a rank's first chunk), so the masks
+are the same under every schedule and no two chunks repeat each other's.
 """
 
 from __future__ import annotations
