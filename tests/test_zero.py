@@ -176,11 +176,19 @@ def test_parameters_are_freed_between_steps_and_whole_on_demand():
     cfg = _config(zero=3, dp=1)
     trainer = Trainer(cfg, groups=ProcessGroups.single())
     trainer.train_step()
-    assert all(p.untyped_storage().nbytes() == 0 for _, p in trainer.named_parameters())
+    freed = [p for _, p in trainer.named_parameters()]
+    assert all(p.untyped_storage().nbytes() == p.element_size() for p in freed)     # a one-element placeholder
     with trainer.full_parameters():
         assert all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for _, p in trainer.named_parameters())
         whole = {n: p.detach().clone() for n, p in trainer.named_parameters()}
-    assert all(p.untyped_storage().nbytes() == 0 for _, p in trainer.named_parameters())
+    assert all(p.untyped_storage().nbytes() == p.element_size() for _, p in trainer.named_parameters())
+    # Read between uses (a notebook printing a weight), a freed parameter shows NaN in its full shape
+    # and refuses writes; it used to read and write freed memory (a segfault of the rank).
+    weight = dict(trainer.named_parameters())["layers.0.attn.qkv.weight"]
+    assert weight.shape == whole["layers.0.attn.qkv.weight"].shape and "nan" in repr(weight)
+    assert torch.isnan(weight.sum()) and torch.isnan(weight.detach().norm())
+    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"), torch.no_grad():
+        weight.add_(1.0)
     replicated = Trainer(cfg.replace(zero=0), groups=ProcessGroups.single())
     replicated.train_step()
     for n, p in replicated.named_parameters():

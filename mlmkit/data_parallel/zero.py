@@ -12,8 +12,8 @@ the sum of shard ``r``) and the whole gradient is freed, while the backward goes
 layers before it (FSDP's post-backward reduce-scatter); each rank updates its shard, and the
 updated shards are all-gathered back into the parameters, unit by unit.
 
-Stage 3 (``stage=3``): between uses a parameter holds no memory (its storage is resized to 0; its
-shape stays); rank ``r`` keeps the unit's shard in the parameters' dtype. :class:`Zero3Hooks`
+Stage 3 (``stage=3``): between uses a parameter holds no memory (its storage is resized to one
+element, a NaN that every position reads; its shape stays); rank ``r`` keeps the unit's shard in the parameters' dtype. :class:`Zero3Hooks`
 gathers a unit right before it is used and frees it after:
 
 - forward: a layer's forward pre-hook all-gathers its parameters, its forward hook frees them
@@ -130,8 +130,11 @@ class ShardedUnit:
             if g.size > 1 else self.param_shard
         offset = 0
         for p, nbytes in zip(self.params, self.nbytes):
-            p.untyped_storage().resize_(nbytes)
-            # .data: the same storage without bumping the version counter autograd checks.
+            storage = p.untyped_storage()
+            storage.resize_(nbytes)
+            # .data: the same storage object (the memory tracker knows it), made whole and contiguous
+            # again, without bumping the version counter autograd checks.
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device).set_(storage, 0, p.shape)
             p.data.copy_(full[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
         self.gathered = True
@@ -140,11 +143,17 @@ class ShardedUnit:
         return True
 
     def free(self) -> None:
-        """Drop the whole parameters' memory (shapes stay; the shard is kept)."""
+        """Drop the whole parameters' memory (shapes stay; the shard is kept). Each parameter keeps
+        one NaN element that every position reads (stride 0): code reading a freed parameter gets
+        NaN, code writing it a RuntimeError, never the freed memory (a segfault)."""
         if self.stage != 3 or not self.gathered:
             return
         for p in self.params:
-            p.untyped_storage().resize_(0)
+            storage = p.untyped_storage()
+            storage.resize_(p.element_size())
+            placeholder = torch.empty(0, dtype=p.dtype, device=p.device).set_(storage, 0, (1,), (1,))
+            placeholder.fill_(float("nan"))
+            p.data = placeholder.as_strided(p.shape, (0,) * p.dim())
         self.gathered = False
         self.in_backward = False
 

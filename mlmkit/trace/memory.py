@@ -36,6 +36,12 @@ MEMORY_COLUMNS = ("rank", "time", "action", "microbatch", "chunk", "parameters",
                   "activations", "activations_peak", "cuda_allocated", "cuda_reserved", "cuda_peak")
 
 
+def _whole_bytes(p: torch.Tensor) -> int:
+    """A parameter's bytes, or 0 for a ZeRO-3 parameter between uses (its one-element placeholder)."""
+    whole = p.numel() * p.element_size()
+    return whole if p.untyped_storage().nbytes() >= whole else 0
+
+
 class _Saved:
     """What the pack hook hands autograd instead of the tensor: releases its bytes when dropped."""
 
@@ -132,7 +138,7 @@ class MemoryTracker:
     def parameter_bytes(self) -> int:
         """Bytes of the parameters as they are now (a ZeRO-3 parameter between uses holds none) and
         of the parameter shards ZeRO-3 keeps."""
-        total = sum(min(p.numel() * p.element_size(), p.untyped_storage().nbytes()) for p in self.params)
+        total = sum(_whole_bytes(p) for p in self.params)
         shards = getattr(self.optimizer, "parameter_tensors", None)
         if shards is not None:
             total += sum(t.numel() * t.element_size() for t in shards())
