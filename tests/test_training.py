@@ -174,7 +174,7 @@ def _dropout_masks_of_one_step(rank, world_size, cfg_dict):
     try:
         cfg = TrainConfig.from_dict(cfg_dict)
         trainer = Trainer(cfg, groups=ProcessGroups.build(cfg.topology) if world_size > 1 else ProcessGroups.single())
-        with torch.no_grad():
+        with torch.no_grad(), trainer.full_parameters():
             for chunk in trainer.chunks:            # no zero to drop: a dropped element reads 0
                 for param in chunk.parameters():
                     param.add_(1e-3)
