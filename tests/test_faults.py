@@ -22,7 +22,9 @@ from mlmkit.pipeline import make_schedule
 from mlmkit.pipeline.batching import plan_batches
 from mlmkit.train import TrainConfig
 
-CFG = TrainConfig(model=GPTConfig(vocab_size=256, seq_len=16, hidden=32, heads=4, layers=4), tp=2, pp=2,
+# With dropout: a failed step's retry must draw the masks an uninterrupted run draws (the random
+# streams are put back with the step; they once were not, and every retry trained another network).
+CFG = TrainConfig(model=GPTConfig(vocab_size=256, seq_len=16, hidden=32, heads=4, layers=4, dropout=0.1), tp=2, pp=2,
                   micro_batch_size=2, global_batch_size=8, max_steps=200)
 TIMEOUT_S = 8.0           # the cluster's bound on every call (a step takes ~0.2 s)
 REPORT_S = 5.0            # a raising or dying rank is reported within this

@@ -90,6 +90,7 @@ class Trainer:
         self.history: list[dict] = []
         self._t0: Optional[float] = None
         self.updating = False   # True while the optimizer changes weights (a failure then leaves them torn)
+        self._rng_at_begin = None   # the random streams at the start of the step in progress
 
     # ------------------------------------------------------------------ stepping
     def lr(self, step: Optional[int] = None) -> float:
@@ -109,17 +110,26 @@ class Trainer:
         lo = self.groups.coords.dp * n
         for model in self.chunks:
             model.train()
+        # The random streams as the step finds them: an abandoned step puts them back, so that the
+        # step run again draws the dropout masks an uninterrupted run draws.
+        self._rng_at_begin = ([model.rng.get_state() for model in self.chunks], torch.get_rng_state())
         self.optimizer.zero_grad()
         self._t0 = time.perf_counter()
         self.executor.start_step(tokens[lo:lo + n], targets[lo:lo + n], loss_scale=scale)
 
     def abandon_step(self) -> None:
         """Drop the step in progress (activations, pending messages, gradients); weights unchanged
-        unless the failure hit during the optimizer update (then :attr:`updating` stays True)."""
+        unless the failure hit during the optimizer update (then :attr:`updating` stays True). The
+        dropout streams go back to where the step found them."""
         self.executor.abandon()
         self.optimizer.zero_grad()
         if self.zero3 is not None:
             self.zero3.reset()
+        if self._rng_at_begin is not None and not self.updating:
+            chunk_states, torch_state = self._rng_at_begin
+            for model, state in zip(self.chunks, chunk_states):
+                model.rng.set_state(state)
+            torch.set_rng_state(torch_state)
 
     def finish_step(self) -> dict:
         """After the schedule ran: optimizer step and metrics (collective over the world)."""
@@ -131,6 +141,7 @@ class Trainer:
         self.updating = True
         grad_norm = self.optimizer.step(lr=lr)
         self.updating = False
+        self._rng_at_begin = None          # the step is done: nothing to put back
         if self.memory is not None:
             self.memory.record(action="optimizer", microbatch=-1)
         elapsed = time.perf_counter() - (self._t0 or time.perf_counter())
