@@ -91,7 +91,8 @@ class GPTConfig:
     init_std: float = 0.02
     """Std of the normal initialisation; output projections use ``init_std / sqrt(2 * layers)``."""
     seed: int = 1234
-    """Seed of every initial weight (weights are a function of (seed, parameter name), not of tp)."""
+    """Seed of every initial weight (weights are a function of (seed, parameter name), not of tp) and
+    of the dropout streams (:mod:`mlmkit.tensor_parallel.random`)."""
     make_vocab_size_divisible_by: int = 1
     """As in Megatron-LM: the vocabulary is padded to a multiple of this times tp. Megatron's default
     is 128 (GPU-friendly shapes); 1 keeps shard tables of tiny teaching models readable."""
