@@ -13,8 +13,8 @@ layers before it (FSDP's post-backward reduce-scatter); each rank updates its sh
 updated shards are all-gathered back into the parameters, unit by unit.
 
 Stage 3 (``stage=3``): between uses a parameter holds no memory (its storage is resized to one
-element, a NaN that every position reads; its shape stays); rank ``r`` keeps the unit's shard in the parameters' dtype. :class:`Zero3Hooks`
-gathers a unit right before it is used and frees it after:
+element, a NaN that every position reads; its shape stays); rank ``r`` keeps the unit's shard in
+the parameters' dtype. :class:`Zero3Hooks` gathers a unit right before it is used and frees it after:
 
 - forward: a layer's forward pre-hook all-gathers its parameters, its forward hook frees them
   (``reshard_after_forward=True``, the default); the root is gathered around the chunk's forward;
