@@ -200,6 +200,35 @@ def test_parameters_are_freed_between_steps_and_whole_on_demand():
         assert all(torch.equal(t, whole[n]) for n, t in gather_full(trainer.chunks[0]).items())
 
 
+WRITTEN = "layers.0.attn.qkv.weight"
+
+
+@pytest.mark.parametrize("options", [dict(), dict(zero=1), dict(zero=2), dict(zero=3), dict(precision="bf16"),
+                                     dict(zero=1, precision="bf16"), dict(zero=3, precision="bf16")],
+                         ids=["fp32", "zero1", "zero2", "zero3", "bf16", "bf16-zero1", "bf16-zero3"])
+def test_weights_written_between_steps_are_what_the_next_step_trains(options):
+    # trainer.full_parameters() says: wrap reads and writes of the weights. A write used to be undone
+    # silently: at the end of the block (ZeRO-3: the shards were gathered again), or by the next
+    # update (ZeRO-1/2 shards and bf16 fp32 masters wrote their old copy back). Now the optimizer's
+    # copy takes what was written, and a block that only reads leaves every bit as it was.
+    cfg = _config(dp=1, **options)
+    written = Trainer(cfg, groups=ProcessGroups.single())
+    written.train_step()
+    with written.full_parameters(), torch.no_grad():
+        dict(written.named_parameters())[WRITTEN].fill_(1.0)
+    written.train_step()
+    with written.full_parameters():
+        after = dict(written.named_parameters())[WRITTEN].detach().float().clone()    # kept past the block
+    assert (after - 1.0).abs().max() < 0.05, options        # 1.0 moved by one AdamW step (lr 3e-3)
+    untouched, read = (Trainer(cfg, groups=ProcessGroups.single()) for _ in range(2))
+    losses = [untouched.train_step()["loss"] for _ in range(3)]
+    got = [read.train_step()["loss"]]
+    with read.full_parameters():
+        assert all(torch.isfinite(p).all() for _, p in read.named_parameters())
+    got += [read.train_step()["loss"] for _ in range(2)]
+    assert got == losses, options
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_whole_gradients_after_the_reduction_are_refused(stage):
     """ZeRO-2/3 keep only a shard of each reduced gradient: gather_full(grads=True) names the

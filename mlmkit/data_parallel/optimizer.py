@@ -102,6 +102,12 @@ class _Base:
         """Call after the model's weights were overwritten (a checkpoint load): an optimizer that
         keeps its own copy of the weights refreshes it from the parameters."""
 
+    def params_written(self) -> None:
+        """Call after code wrote into the parameters (``Trainer.full_parameters`` does): an
+        optimizer that keeps its own copy of the weights (fp32 masters, ZeRO shards) takes the
+        elements that differ from it, and keeps its extra precision everywhere else (a read-only
+        block changes nothing). Without it the next update would write the old weights back."""
+
     def state_tensors(self) -> list[torch.Tensor]:
         """Every tensor the optimizer holds (moments, master weights): what memory accounting counts."""
         return [v for st in self.opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
@@ -155,6 +161,16 @@ def shard_sumsq(grad: torch.Tensor, spans) -> torch.Tensor:
     for a, b in spans:
         total += grad[a:b].double().pow(2).sum()
     return total
+
+
+def take_written(master: torch.Tensor, written: torch.Tensor, dtype: torch.dtype) -> None:
+    """``master`` (fp32, the optimizer's copy) takes ``written`` (fp32, the parameters' values
+    now) wherever the two differ once ``master`` is rounded to the parameters' ``dtype``: the
+    elements code wrote. Elsewhere ``master`` keeps its bits (bf16 parameters round them away)."""
+    with torch.no_grad():
+        changed = written != master.to(dtype).float()
+        if bool(changed.any()):
+            master[changed] = written[changed]
 
 
 def global_norm(sumsqs: Sequence[torch.Tensor], groups: ProcessGroups) -> float:
@@ -218,6 +234,11 @@ class ReplicatedAdamW(_Base):
                 for m, p in zip(self.master, self.params):
                     m.copy_(p.float())
 
+    def params_written(self) -> None:
+        if self.mixed:
+            for m, p in zip(self.master, self.params):
+                take_written(m, p.detach().float(), p.dtype)
+
     def state_tensors(self) -> list[torch.Tensor]:
         return super().state_tensors() + (list(self.master) if self.mixed else [])
 
@@ -265,6 +286,10 @@ class ShardedAdamW(_Base):
         flat = self._flat([p.detach().float() for p in self.params])
         with torch.no_grad():
             self.shard.copy_(flat[self.start:self.start + self.shard_size])
+
+    def params_written(self) -> None:
+        flat = self._flat([p.detach().float() for p in self.params])
+        take_written(self.shard, flat[self.start:self.start + self.shard_size], self.param_dtype)
 
     def state_tensors(self) -> list[torch.Tensor]:
         return super().state_tensors() + [self.shard]
@@ -356,6 +381,10 @@ class MultiOptimizer:
     def params_loaded(self) -> None:
         for part in self.parts:
             part.params_loaded()
+
+    def params_written(self) -> None:
+        for part in self.parts:
+            part.params_written()
 
     def state_tensors(self) -> list[torch.Tensor]:
         return [t for part in self.parts for t in part.state_tensors()]

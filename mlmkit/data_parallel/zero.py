@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 from mlmkit.data_parallel.optimizer import (_STATE_KEYS, _Base, copy_flat_into, counted_spans, flatten_padded,
-                                            shard_sumsq)
+                                            shard_sumsq, take_written)
 from mlmkit.distributed import CommGroup
 from mlmkit.tensor_parallel.layers import param_grad
 
@@ -188,6 +188,15 @@ class ShardedUnit:
         full = g.all_gather(mine, dim=0, site=f"zero2.params.{label}.{self.name}") if g.size > 1 else mine
         copy_flat_into(self.params, full)
 
+    def take_written(self) -> None:
+        """The shard takes what code wrote into the whole parameters (see
+        :meth:`mlmkit.data_parallel.optimizer._Base.params_written`); they must be whole."""
+        flat = self.flat([p.detach().float() for p in self.params])
+        take_written(self.master, flat[self.start:self.start + self.shard_size], self.dtype)
+        if self.param_shard is not None and not self.shared:
+            with torch.no_grad():
+                self.param_shard.copy_(self.master.detach())
+
     def refresh_from_params(self) -> None:
         """The shard (master, and stage 3's parameter shard) from the whole parameters (after a load)."""
         flat = self.flat([p.detach().float() for p in self.params])
@@ -285,6 +294,11 @@ class FullyShardedAdamW(_Base):
     def params_loaded(self) -> None:
         for u in self.units:
             u.refresh_from_params()
+
+    def params_written(self) -> None:
+        for u in self.units:
+            if u.gathered:          # stage 3: a unit freed now was not written (only whole ones can be)
+                u.take_written()
 
     # ------------------------------------------------------------------ memory accounting
     def state_tensors(self) -> list[torch.Tensor]:

@@ -232,11 +232,20 @@ class Trainer:
         for c in self.chunks:
             yield from c.named_parameters()
 
+    @contextlib.contextmanager
     def full_parameters(self):
         """A context in which every parameter is whole (ZeRO-3 gathers them; collective over the
-        replicas); elsewhere a no-op. Wrap reads and writes of the weights between steps."""
+        replicas). Wrap reads and writes of the weights between steps: what the block writes into
+        the parameters becomes the weights (the optimizer's fp32 masters and ZeRO shards take it at
+        the end of the block; without that, the next update wrote the old weights back). Write the
+        same values on every replica, and clone what you keep beyond the block (ZeRO-3 frees the
+        parameters' memory when it ends)."""
         materialized = getattr(self.optimizer, "materialized", None)
-        return materialized() if materialized is not None else contextlib.nullcontext()
+        with materialized() if materialized is not None else contextlib.nullcontext():
+            try:
+                yield
+            finally:
+                self.optimizer.params_written()
 
     def __repr__(self) -> str:
         c = self.config
