@@ -204,6 +204,30 @@ def test_model_chunks_on_one_rank_draw_their_own_dropout_masks(layout):
             seen[key] = i
 
 
+def test_a_checkpoint_whose_chunks_share_one_stream_does_not_bring_the_repeat_back(tmp_path):
+    # Checkpoints written before each model chunk had its own dropout streams hold one state for every
+    # chunk of a rank; resumed as they are, the chunks would drop the same elements again.
+    cfg = BASE.replace(model=dataclasses.replace(MODEL, dropout=0.1), schedule="interleaved-1f1b", chunks=2,
+                       micro_batch_size=1, global_batch_size=8)
+    old = Trainer(cfg, groups=ProcessGroups.single())
+    old.train_step()
+    old.chunks[1].rng.set_state(old.chunks[0].rng.get_state())          # as the old seeding left them
+    save_checkpoint(old, str(tmp_path))
+    resumed = Trainer(cfg, groups=ProcessGroups.single())
+    assert load_checkpoint(resumed, str(tmp_path)) == 1
+    first, second = (c.rng.get_state() for c in resumed.chunks)
+    assert all(torch.equal(a, b) for a, b in zip(first, old.chunks[0].rng.get_state()))    # restored
+    assert not any(torch.equal(a, b) for a, b in zip(first, second))                      # not repeated
+    # A checkpoint of the current seeding restores every chunk's own streams.
+    current = Trainer(cfg, groups=ProcessGroups.single())
+    current.train_step()
+    save_checkpoint(current, str(tmp_path / "current"))
+    again = Trainer(cfg, groups=ProcessGroups.single())
+    load_checkpoint(again, str(tmp_path / "current"))
+    for mine, theirs in zip(again.chunks, current.chunks):
+        assert all(torch.equal(a, b) for a, b in zip(mine.rng.get_state(), theirs.rng.get_state()))
+
+
 def _train(rank, world_size, cfg_dict, steps):
     cfg = TrainConfig.from_dict(cfg_dict)
     trainer = _trainer(cfg, ProcessGroups.build(cfg.topology))

@@ -397,8 +397,14 @@ def _load(trainer, path: str) -> int:
     same_layout = saved == grid and meta["config"]["chunks"] == trainer.config.chunks
     if same_layout:
         sh = shards.shard(trainer.groups.coords.tp, trainer.groups.coords.pp)
-        for model, state in zip(trainer.chunks, sh["rng"]):
-            model.rng.set_state(tuple(state))
+        states = [tuple(state) for state in sh["rng"]]
+        for c, (model, state) in enumerate(zip(trainer.chunks, states)):
+            # Written before each chunk had its own streams (every chunk of a rank seeded alike),
+            # the checkpoint holds one state for all: a later chunk keeps its own fresh streams
+            # rather than repeat the first chunk's masks.
+            if c > 0 and all(torch.equal(a, b) for a, b in zip(state, states[0])):
+                continue
+            model.rng.set_state(state)
         torch.set_rng_state(sh["torch_rng"])
     trainer.step = meta["step"]
     return trainer.step
