@@ -13,8 +13,9 @@ Instead of Megatron's global tracker, mlmkit holds the two ``torch.Generator`` o
 :class:`TPRandomState` that each model chunk owns and passes to its layers. With several chunks per
 pipeline rank (interleaved or V-shaped schedules) Megatron's chunks share the rank's one stream, so
 their masks depend on the order the schedule runs them; mlmkit's chunks each have their own, seeded
-by the virtual stage in place of ``pp_rank`` (the same seeds for a rank's first chunk), so the masks
-are the same under every schedule and no two chunks repeat each other's.
+by the virtual stage in place of ``pp_rank`` (the same seeds for a rank's first chunk), so no two
+chunks repeat each other's masks, and a chunk's masks do not depend on how the schedule interleaves
+the chunks (every schedule runs a chunk's forwards in microbatch order).
 """
 
 from __future__ import annotations
