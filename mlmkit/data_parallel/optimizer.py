@@ -163,14 +163,17 @@ def shard_sumsq(grad: torch.Tensor, spans) -> torch.Tensor:
     return total
 
 
-def take_written(master: torch.Tensor, written: torch.Tensor, dtype: torch.dtype) -> None:
+def take_written(master: torch.Tensor, written: torch.Tensor, dtype: torch.dtype) -> bool:
     """``master`` (fp32, the optimizer's copy) takes ``written`` (fp32, the parameters' values
     now) wherever the two differ once ``master`` is rounded to the parameters' ``dtype``: the
-    elements code wrote. Elsewhere ``master`` keeps its bits (bf16 parameters round them away)."""
+    elements code wrote. Elsewhere ``master`` keeps its bits (bf16 parameters round them away).
+    Returns whether anything was written."""
     with torch.no_grad():
         changed = written != master.to(dtype).float()
-        if bool(changed.any()):
-            master[changed] = written[changed]
+        if not bool(changed.any()):
+            return False
+        master[changed] = written[changed]
+        return True
 
 
 def global_norm(sumsqs: Sequence[torch.Tensor], groups: ProcessGroups) -> float:
@@ -280,16 +283,18 @@ class ShardedAdamW(_Base):
         self.counted_spans = counted_spans(self.params, self.counted, self.start, self.shard_size)
         self.opt = torch.optim.AdamW([self.shard], lr=0.0, **self.hyper)
 
+    def _own_slice(self) -> torch.Tensor:
+        """This rank's slice of the flat parameters, fp32 ``[shard_size]``."""
+        return self._flat([p.detach().float() for p in self.params])[self.start:self.start + self.shard_size]
+
     def params_loaded(self) -> None:
         """Refresh the fp32 shard from the model's parameters (after a checkpoint load): the update
         writes the shard back over the parameters, so a stale shard would undo the load."""
-        flat = self._flat([p.detach().float() for p in self.params])
         with torch.no_grad():
-            self.shard.copy_(flat[self.start:self.start + self.shard_size])
+            self.shard.copy_(self._own_slice())
 
     def params_written(self) -> None:
-        flat = self._flat([p.detach().float() for p in self.params])
-        take_written(self.shard, flat[self.start:self.start + self.shard_size], self.param_dtype)
+        take_written(self.shard, self._own_slice(), self.param_dtype)
 
     def state_tensors(self) -> list[torch.Tensor]:
         return super().state_tensors() + [self.shard]

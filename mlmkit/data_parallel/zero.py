@@ -188,20 +188,22 @@ class ShardedUnit:
         full = g.all_gather(mine, dim=0, site=f"zero2.params.{label}.{self.name}") if g.size > 1 else mine
         copy_flat_into(self.params, full)
 
+    def _own_slice(self) -> torch.Tensor:
+        """This rank's slice of the whole parameters, flat fp32 ``[shard_size]`` (they must be whole)."""
+        return self.flat([p.detach().float() for p in self.params])[self.start:self.start + self.shard_size]
+
     def take_written(self) -> None:
         """The shard takes what code wrote into the whole parameters (see
-        :meth:`mlmkit.data_parallel.optimizer._Base.params_written`); they must be whole."""
-        flat = self.flat([p.detach().float() for p in self.params])
-        take_written(self.master, flat[self.start:self.start + self.shard_size], self.dtype)
-        if self.param_shard is not None and not self.shared:
+        :meth:`mlmkit.data_parallel.optimizer._Base.params_written`)."""
+        if take_written(self.master, self._own_slice(), self.dtype) and self.param_shard is not None \
+                and not self.shared:
             with torch.no_grad():
                 self.param_shard.copy_(self.master.detach())
 
     def refresh_from_params(self) -> None:
         """The shard (master, and stage 3's parameter shard) from the whole parameters (after a load)."""
-        flat = self.flat([p.detach().float() for p in self.params])
         with torch.no_grad():
-            self.master.copy_(flat[self.start:self.start + self.shard_size])
+            self.master.copy_(self._own_slice())
             if self.param_shard is not None and not self.shared:
                 self.param_shard.copy_(self.master.detach())
 
