@@ -329,7 +329,25 @@ def uniform_traces():
                           "pp2-dp2-ep2-zbh1-full": dict(pp=2, dp=2, ep=2, schedule="zb-h1", recompute="full"),
                           # the hidden dropout after the MoE MLP (its mask, the tp ranks' own stream with SP)
                           "tp2-sp-pp2-dropout-shared-zbh1": dict(tp=2, pp=2, sequence_parallel=True, schedule="zb-h1",
-                                                                 model=dict(dropout=0.1, moe_shared_ffn_hidden=32))}.items():
+                                                                 model=dict(dropout=0.1, moe_shared_ffn_hidden=32)),
+                          # tokens x top_k not a multiple of the experts: the round robin loads some experts
+                          # one row more, and a rank's 4 tokens reach only experts 0-3 of 6, so ep rank 1 gets
+                          # one expert's rows, experts 4 and 5 run nothing and ZeRO-1 holds no gradient for them
+                          "uneven-idle-tp2-sp-cp2-ep2-zero1": dict(
+                              tp=2, cp=2, ep=2, sequence_parallel=True, zero=1, micro_batch_size=1, global_batch_size=4,
+                              model=dict(experts=6, top_k=1, moe_renormalize=False)),
+                          # ... the same rows over expert-tp with a capacity, and plain data parallelism,
+                          # which zero-fills the idle experts' gradients for its all-reduce
+                          "uneven-idle-expert_tp2-capacity": dict(
+                              tp=2, cp=2, ep=2, expert_tp=2, sequence_parallel=True, micro_batch_size=1,
+                              global_batch_size=4, model=dict(experts=6, top_k=1, moe_renormalize=False,
+                                                              moe_capacity_factor=1.0, bias=True, mlp="gelu")),
+                          # ... under bf16, where every parameter has its fp32 gradient buffer from the start
+                          # (the idle experts' fc2 biases are summed over expert-tp too)
+                          "uneven-idle-expert_tp2-bf16": dict(
+                              tp=2, cp=2, ep=2, expert_tp=2, sequence_parallel=True, micro_batch_size=1,
+                              global_batch_size=4, precision="bf16", model=dict(experts=6, top_k=1,
+                                                                                 moe_renormalize=False, bias=True))}.items():
         m = model if "gelu" not in name else moe_config(**{**model.to_dict(), "mlp": "gelu", "bias": True,
                                                            "moe_shared_ffn_hidden": 32})
         m = moe_config(**{**m.to_dict(), **options.pop("model", {})})
@@ -346,6 +364,25 @@ def test_estimator_is_exact_for_forced_even_routing(uniform_traces):
         assert comm[comm.kind == "ep"].measured.gt(0).all() or cfg.ep == 1
         memory = compare_memory(traces["memory"], estimate_train_memory(cfg))
         assert (memory.measured == memory.estimated).all(), (name, memory[memory.measured != memory.estimated])
+
+
+@pytest.mark.parametrize("experts,top_k,layout", [(6, 1, dict(tp=2, cp=2, ep=2, sequence_parallel=True)),
+                                                   (6, 4, dict(dp=2, ep=2)), (4, 2, dict(dp=4, ep=4)),
+                                                   (6, 2, dict(tp=2, dp=2, ep=2, expert_tp=2, sequence_parallel=True))])
+def test_a_routers_expected_traffic_is_the_mean_of_the_forced_routings(experts, top_k, layout):
+    # Without a capacity, every rank sends as many rows as it has assignments for other ranks' experts
+    # and receives its own experts' rows from each peer: over the ep ranks, the forced round robin
+    # and an even routing's mean move the same rows, whether or not tokens x top_k divides by experts
+    # (a rank's 4 tokens x 1 over 6 experts: an expert's mean share is 2/3 of a row, not none).
+    model = moe_config(**{**MODEL.to_dict(), "experts": experts, "top_k": top_k, "moe_renormalize": top_k > 1})
+    cfg = _config(model, micro_batch_size=1, global_batch_size=4 * layout.get("dp", 1), **layout)
+    forced = estimate_train_comm(cfg.replace(model={"moe_force_uniform": True}))
+    routed = estimate_train_comm(cfg)
+    for axis in ("ep", "expert-tp"):      # (a fraction of a row's bytes rounded per expert)
+        assert forced[axis].mean() == pytest.approx(routed[axis].mean(), rel=1e-3), \
+            (axis, forced[axis].tolist(), routed[axis].tolist())
+    counts_only = cfg.microbatches * model.layers * (cfg.ep - 1) * (experts // cfg.ep) * 8   # the int64 counts
+    assert routed["ep"].gt(counts_only).all(), (routed["ep"].tolist(), counts_only)      # rows move too
 
 
 def test_parameter_counts_of_mixtral():

@@ -110,14 +110,22 @@ PEAKS = {
     "llama-padded-vocab-zbh1": dict(model=llama_config(vocab_size=300, make_vocab_size_divisible_by=64, seq_len=16,
                                                        hidden=32, heads=4, kv_heads=2, layers=2, ffn_hidden=64),
                                     schedule="zb-h1"),
+    # Ring attention with one head per tp rank and one sample per microbatch: the projection's input
+    # is a view of the ring's output, not a reordered copy (one tensor, not two)
+    "gpt2-cp2-one-head-per-rank": dict(model=GPTConfig(vocab_size=256, seq_len=16, hidden=16, heads=2, layers=2),
+                                       cp=2, pp=1),
+    # ... and under a split backward with two samples per microbatch: the projection's linear keeps its
+    # input as it comes, a view of the ring's output (torch's linear would keep an [s b, h/t] copy)
+    "gpt2-cp2-one-head-per-rank-zbh1-mbs2": dict(model=GPTConfig(vocab_size=256, seq_len=16, hidden=16, heads=2,
+                                                                 layers=2),
+                                                 cp=2, schedule="zb-h1", micro_batch_size=2),
 }
 
 
 def test_activation_peaks_inside_actions_are_exact():
     for name, options in PEAKS.items():
-        options = dict(options)
-        cfg = TrainConfig(model=options.pop("model"), tp=2, pp=2, micro_batch_size=1, global_batch_size=4, **options)
-        traces = merge_traces(run_ranks(traced_step, world_size=4, args=(cfg.to_dict(),), timeout_s=300))
+        cfg = TrainConfig(**{"tp": 2, "pp": 2, "micro_batch_size": 1, "global_batch_size": 4, **options})
+        traces = merge_traces(run_ranks(traced_step, world_size=cfg.world_size, args=(cfg.to_dict(),), timeout_s=300))
         table = compare_memory(traces["memory"], estimate_train_memory(cfg))
         assert (table.measured == table.estimated).all(), (name, table[table.measured != table.estimated])
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from mlmkit.estimate.params import (check_estimate, local_parameters, moe_kept_per_expert, shard_unit_sizes,
+from mlmkit.estimate.params import (check_estimate, local_parameters, moe_kept_by_expert, shard_unit_sizes,
                                     stage_layout)
 from mlmkit.pipeline.schedule import V_SCHEDULES, stage_rank
 from mlmkit.model.config import GPTConfig
@@ -76,34 +76,41 @@ def _grad_reduction(params, d: int, *, zero1: bool, R: int, E: int, bucket_bytes
 
 
 def _moe_comm(model: GPTConfig, topology: Topology, *, s: int, b: int, m: int, E: int, G: int, sp: bool,
-              layers: int, full_recompute: bool) -> dict:
-    """A mixture of experts' bytes per rank and step, for evenly routed tokens (every expert gets the
-    same number of assignments: exact for ``moe_force_uniform``, the mean otherwise), less what a
-    capacity drops (:func:`~mlmkit.estimate.params.moe_kept_per_expert`)."""
+              layers: int, full_recompute: bool, ep_rank: int) -> dict:
+    """A mixture of experts' bytes for the rank at ``ep_rank`` per step: every rank routes its tokens
+    alike (:func:`~mlmkit.estimate.params.moe_kept_by_expert`: exact for ``moe_force_uniform``, the
+    mean of an even routing otherwise), less what a capacity drops."""
     t, ep, et = topology.tp, topology.ep, topology.expert_tp
     h, Ex = model.hidden, model.experts
     local = Ex // ep
     tokens = (s // t if sp else s) * b                  # this rank's tokens of a microbatch
-    kept = int(moe_kept_per_expert(model, tokens))      # rows each expert takes from this rank
+    kept = moe_kept_by_expert(model, tokens)            # rows each expert takes from each rank
+    mine = kept[ep_rank * local:(ep_rank + 1) * local]  # ... of this rank's experts
     runs = 2 if full_recompute else 1                   # forward passes per microbatch
     out = {}
-    # ep: dispatch and combine all-to-alls forward and backward, (ep - 1)/ep of the rows leave; the
-    # expert counts (int64) are exchanged in every forward
-    a2a = (ep - 1) * local * kept * h * E
-    out["ep"] = m * layers * ((2 * runs + 2) * a2a + runs * (ep - 1) * local * 8) if ep > 1 else 0
+    # ep: the dispatch sends the rows of the other ranks' experts and receives its own experts' rows
+    # from the ep - 1 others; the combine sends those back, backward runs both the other way round;
+    # the expert counts (int64) are exchanged in every forward
+    leave = sum(kept) - sum(mine)
+    arrive = (ep - 1) * sum(mine)
+    a2a = (leave + arrive) * h * E
+    out["ep"] = round(m * layers * ((runs + 1) * a2a + runs * (ep - 1) * local * 8)) if ep > 1 else 0
     # tp-cp: the routing statistics (2 E + 2 fp32) summed over the ranks that split the tokens
     n_tok = t * topology.cp
     out["tp-cp"] = m * layers * runs * ring_wire_bytes("all_reduce", (2 * Ex + 2) * 4, n_tok) if n_tok > 1 else 0
-    # expert-tp: per local expert its rows (ep * kept on each member) gathered before fc1 and
-    # reduce-scattered after fc2, and back in backward; the padded row counts (int64) per forward
+    # expert-tp: per local expert its rows (ep x kept on each member) gathered before fc1 and
+    # reduce-scattered after fc2, and back in backward (an expert without rows runs nothing); the
+    # padded row counts (int64) per forward
     if et > 1:
-        rows = ep * kept
-        full = et * rows * h * E
-        pair = ring_wire_bytes("all_gather", full, et) + ring_wire_bytes("reduce_scatter", full, et)
-        per_mb = local * (runs + 1) * pair + runs * ring_wire_bytes("all_reduce", local * 8, et)
+        per_mb = runs * ring_wire_bytes("all_reduce", local * 8, et)
+        for rows in (ep * k for k in mine):
+            full = round(et * rows * h * E)
+            per_mb += (runs + 1) * (ring_wire_bytes("all_gather", full, et) + ring_wire_bytes("reduce_scatter", full, et))
         out["expert-tp"] = m * layers * per_mb
-        if model.bias:   # each expert's fc2 bias gradient, once per step
-            out["expert-tp"] += layers * local * ring_wire_bytes("all_reduce", h * G, et)
+        if model.bias:   # each expert's fc2 bias gradient, once per step, where it has one (under bf16
+            # every parameter has its fp32 gradient buffer; in fp32 an expert without rows has none)
+            summed = local if E == 2 else sum(1 for k in mine if k > 0)
+            out["expert-tp"] += layers * summed * ring_wire_bytes("all_reduce", h * G, et)
     else:
         out["expert-tp"] = 0
     return out
@@ -209,7 +216,7 @@ def estimate_comm(model: GPTConfig, topology: Topology, *, micro_batch_size: int
             vol["expert-dp"] = _grad_reduction([q for q in params if q.expert], topology.expert_dp,
                                                zero1=stage == 1, R=R, E=E, bucket_bytes=bucket_bytes)
             vol.update(_moe_comm(model, topology, s=s, b=b, m=m, E=E, G=G, sp=sp, layers=layers,
-                                 full_recompute=full_recompute))
+                                 full_recompute=full_recompute, ep_rank=ep_rank))
         if p > 1 and model.tie_embeddings:
             vocab_bytes = model.padded_vocab(t) // t * h * G
             ends = sum(st["pre_process"] + st["post_process"] for st in stages)

@@ -47,7 +47,9 @@ difference from the paper, measured by the saved-tensor hooks of :mod:`mlmkit.tr
   (``V/t`` bytes per microbatch);
 - context parallelism (cp): every term counts this rank's ``s/cp`` tokens; ring attention keeps,
   like flash kernels, no scores but an fp32 log-sum-exp per query, plus its own output (the
-  projection's input is a reordered copy); ZeRO-1 shards over the ``dp x cp`` replicas.
+  projection's input is a reordered copy, unless the reordering only moves size-1 dimensions: with
+  one head per tp rank the projection keeps a view of the output under a split backward, and with
+  micro-batch size 1 also under torch's linear); ZeRO-1 shards over the ``dp x cp`` replicas.
 
 The peak per rank replays the schedule's compute order: a microbatch's activations are held from
 its forward until its backward; with a split backward (zero-bubble schedules) B frees them but keeps
@@ -63,8 +65,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
-from mlmkit.estimate.params import (check_estimate, local_parameters, moe_kept_per_expert, shard_unit_sizes,
-                                    stage_layout)
+from mlmkit.estimate.params import (check_estimate, local_parameters, moe_idle_experts, moe_kept_by_expert,
+                                    shard_unit_sizes, stage_layout)
 from mlmkit.model.config import GPTConfig
 from mlmkit.pipeline.schedule import make_schedule
 from mlmkit.topology import Topology
@@ -134,7 +136,7 @@ def activation_bytes_per_layer(*, s: int, b: int, h: int, a: int, ffn: Optional[
                                dropout: bool = True, precision="bf16", implementation: str = "megatron",
                                kv_heads: Optional[int] = None, mlp: str = "gelu", norm: str = "layernorm",
                                rope: bool = False, attention: str = "eager", moe: Optional[GPTConfig] = None,
-                               ep: int = 1, expert_tp: int = 1) -> float:
+                               ep: int = 1, expert_tp: int = 1, ep_rank: int = 0, split_backward: bool = False) -> float:
     """Bytes one Transformer layer keeps for backward, per microbatch (module docstring).
 
     ``moe``: the model, when its MLP is a mixture of experts, tokens routed evenly: with
@@ -183,8 +185,13 @@ def activation_bytes_per_layer(*, s: int, b: int, h: int, a: int, ffn: Optional[
     if recompute != "selective":                                              # the core keeps its own tensors
         if flash:
             total += 4 * T * a_l                                              # log-sum-exp per query (fp32)
-            if attention == "ring":
-                total += E * T * a_l * d                                      # the ring's own output [b, a/t, s, d]
+            # The ring's own output [b, a/t, s, d]. The projection keeps its input, that output
+            # reordered to [s, b, h/t]: a copy, except where the reordering moves only size-1
+            # dimensions and the input is a view of the same storage: the split backward's linear
+            # keeps it as it is (a view with one head here), torch's linear as [s b, h/t] (a view
+            # with one head and one sample); one token is a view either way.
+            if attention == "ring" and not (s == 1 or (a_l == 1 and (b == 1 or split_backward))):
+                total += E * T * a_l * d
         else:
             scores = b * a_l * s * s
             total += s * s + 4 * scores                                       # causal mask, fp32 softmax
@@ -195,18 +202,19 @@ def activation_bytes_per_layer(*, s: int, b: int, h: int, a: int, ffn: Optional[
     if moe is None:
         total += E * T * (ffn / t) * (4 if mlp == "swiglu" else 2)            # up (gate, up), activation, product
     else:
-        total += moe_activation_bytes(moe, tokens=Tr, t=t, sp=sp, precision=pr, ep=ep, expert_tp=expert_tp)
+        total += moe_activation_bytes(moe, tokens=Tr, t=t, sp=sp, precision=pr, ep=ep, expert_tp=expert_tp,
+                                      ep_rank=ep_rank)
     if dropout:
         total += 2 * E * seq                                                  # two residual dropouts' masks
     return total
 
 
 def moe_activation_bytes(model: GPTConfig, *, tokens: float, t: int = 1, sp: bool = False, precision="bf16",
-                         ep: int = 1, expert_tp: int = 1) -> float:
-    """Bytes a mixture-of-experts MLP keeps for backward per microbatch, ``tokens`` being this rank's
-    tokens, routed evenly (every expert gets ``tokens * top_k / experts`` of each rank's assignments,
-    at most its capacity: :func:`~mlmkit.estimate.params.moe_kept_per_expert`): what
-    :class:`mlmkit.moe.MoELayer` saves.
+                         ep: int = 1, expert_tp: int = 1, ep_rank: int = 0) -> float:
+    """Bytes a mixture-of-experts MLP keeps for backward per microbatch on a rank of expert-parallel
+    rank ``ep_rank``, ``tokens`` being this rank's tokens, every rank routing alike
+    (:func:`~mlmkit.estimate.params.moe_kept_by_expert`: exact with ``moe_force_uniform``, an even
+    routing's mean otherwise, at most the capacity): what :class:`mlmkit.moe.MoELayer` saves.
 
     Router: its fp32 input (and, under bf16, the fp32 copy of its weight), the softmax (or sigmoid)
     scores ``[T, E]``, the chosen indices (int64), the weights and their sum when renormalised; with
@@ -220,8 +228,10 @@ def moe_activation_bytes(model: GPTConfig, *, tokens: float, t: int = 1, sp: boo
     tokens."""
     pr = _precision(precision)
     E, T, h, k, Ex = pr.activation, tokens, model.hidden, model.top_k, model.experts
-    A = moe_kept_per_expert(model, T) * Ex           # assignments kept from this rank
-    R = A                                            # rows its experts receive (even routing)
+    kept = moe_kept_by_expert(model, T)              # assignments each expert keeps from each rank
+    local = Ex // ep
+    A = sum(kept)                                    # assignments kept from this rank
+    R = ep * sum(kept[ep_rank * local:(ep_rank + 1) * local])   # rows the experts of ep rank ep_rank receive
     et = expert_tp
     total = 4 * T * h                                # router input in fp32 (the MLP input itself in fp32)
     if E != 4:
@@ -256,7 +266,7 @@ def moe_activation_bytes(model: GPTConfig, *, tokens: float, t: int = 1, sp: boo
 def weight_grad_bytes_per_layer(*, s: int, b: int, h: int, a: int, ffn: Optional[int] = None, t: int = 1,
                                 sequence_parallel: bool = False, precision="bf16", kv_heads: Optional[int] = None,
                                 mlp: str = "gelu", gate_up_fused: bool = True, moe: Optional[GPTConfig] = None,
-                                expert_tp: int = 1) -> float:
+                                expert_tp: int = 1, ep: int = 1, ep_rank: int = 0) -> float:
     """Bytes one layer keeps from its split backward's B until its W (zero-bubble schedules), per
     microbatch: every linear layer's input ``X`` and output gradient ``dY`` (W computes ``dY^T X``).
     Inputs shared by two linears (q and kv, gate and up) count once; with sequence parallelism the
@@ -279,7 +289,9 @@ def weight_grad_bytes_per_layer(*, s: int, b: int, h: int, a: int, ffn: Optional
     if moe is None:
         x_dy = mlp_held(T, ffn / t, mlp == "swiglu")
     else:   # each expert's rows, gathered over expert-tp; the shared expert as a dense MLP
-        rows = moe_kept_per_expert(moe, T / t if sequence_parallel and t > 1 else T) * moe.experts * expert_tp
+        kept = moe_kept_by_expert(moe, T / t if sequence_parallel and t > 1 else T)
+        local = moe.experts // ep
+        rows = ep * sum(kept[ep_rank * local:(ep_rank + 1) * local]) * expert_tp
         x_dy = mlp_held(rows, moe.moe_ffn / expert_tp, moe.mlp == "swiglu")
         if moe.moe_shared_ffn_hidden:
             x_dy += mlp_held(T, moe.moe_shared_ffn_hidden / t, moe.mlp == "swiglu")
@@ -429,15 +441,21 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
     if cp > 1 and implementation == "mlmkit":
         attention = "ring"
     sp = sequence_parallel and t > 1
+    idle = moe_idle_experts(model, s * b // t if sp else s * b) if model.moe and implementation == "mlmkit" else set()
     rows = []
     for rank in range(topology.world_size):
         c = topology.coords(rank)
+        ep_rank = topology.expert_coords(rank).ep
         params = local_parameters(model, topology, pp_rank=c.pp, chunks=chunks, sequence_parallel=sequence_parallel,
-                                  layers_per_stage=layers_per_stage, placement=placement,
-                                  ep_rank=topology.expert_coords(rank).ep)
+                                  layers_per_stage=layers_per_stage, placement=placement, ep_rank=ep_rank)
         n = sum(p.numel for p in params)
         stage = (1 if zero1 else 0) if zero is None else zero
         param_bytes, grad_bytes = n * pr.param, n * pr.grad
+        if idle and stage == 1 and pr.master == 0:
+            # experts no token reaches get no gradient: ZeRO-1 reads a missing one as zeros without
+            # storing it (plain data parallelism zero-fills it for its all-reduce; bf16 keeps fp32
+            # gradient buffers for every parameter from the start)
+            grad_bytes -= pr.grad * sum(p.numel for p in params if p.expert and _expert_index(p.name) in idle)
         if stage >= 2:   # unit by unit over the dp x cp replicas (dense models)
             d = topology.dp * cp
             units = shard_unit_sizes(model, topology, pp_rank=c.pp, chunks=chunks, sequence_parallel=sequence_parallel,
@@ -470,11 +488,11 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
             dropout=model.dropout > 0, precision=pr, implementation=implementation, kv_heads=model.num_kv_heads,
             mlp=model.mlp, norm=model.norm, rope=model.position == "rope", attention=attention,
             moe=model if model.moe else None, ep=topology.ep,
-            expert_tp=topology.expert_tp)
+            expert_tp=topology.expert_tp, ep_rank=ep_rank, split_backward=sched.split_backward)
         held_for_w = weight_grad_bytes_per_layer(
             s=s, b=b, h=model.hidden, a=model.heads, ffn=model.ffn, t=t, sequence_parallel=sp, precision=pr,
             kv_heads=model.num_kv_heads, mlp=model.mlp, gate_up_fused=model.gate_up_fused,
-            moe=model if model.moe else None, expert_tp=topology.expert_tp)
+            moe=model if model.moe else None, expert_tp=topology.expert_tp, ep=topology.ep, ep_rank=ep_rank)
         full = _recompute(recompute) == "full" and implementation == "mlmkit"
         pad = _pad_mask(model, t=t, tp_rank=c.tp)
         per_chunk, per_chunk_w, first_input, first_dy = [], [], [], []
@@ -516,6 +534,12 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
     df = pd.DataFrame(rows).set_index("rank")
     df["total"] = df.sum(axis=1)
     return df
+
+
+def _expert_index(name: str) -> int:
+    # "layers.3.mlp.experts.5.fc1.weight" -> 5
+    parts = name.split(".")
+    return int(parts[parts.index("experts") + 1])
 
 
 def _sharded_grad_peak(units: list[dict], actions, *, chunks: int, d: int, m: int, G: int) -> int:

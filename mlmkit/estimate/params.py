@@ -13,8 +13,8 @@ from typing import Optional, Sequence
 from mlmkit.model.config import GPTConfig
 from mlmkit.topology import Topology
 
-__all__ = ["LocalParam", "check_estimate", "local_parameters", "moe_kept_per_expert", "moe_parameter_counts",
-           "shard_unit_sizes", "stage_layout", "total_parameters"]
+__all__ = ["LocalParam", "check_estimate", "local_parameters", "moe_idle_experts", "moe_kept_by_expert",
+           "moe_kept_per_expert", "moe_parameter_counts", "shard_unit_sizes", "stage_layout", "total_parameters"]
 
 
 @dataclass(frozen=True)
@@ -143,15 +143,42 @@ def _moe_parameters(model: GPTConfig, topology: Topology, *, pre: str, ep_rank: 
     return out
 
 
-def moe_kept_per_expert(model: GPTConfig, tokens: float) -> float:
-    """Assignments one expert keeps from one rank's ``tokens`` tokens when routing is even (every
-    expert is chosen ``tokens * top_k / experts`` times, exact for ``moe_force_uniform``): all of
-    them, or with ``moe_capacity_factor`` at most the capacity ``ceil(factor * tokens * top_k /
+def moe_kept_by_expert(model: GPTConfig, tokens: float) -> list[float]:
+    """Assignments each expert keeps from one rank's ``tokens`` tokens (a list over the experts).
+
+    With ``moe_force_uniform`` exactly what its round-robin routing
+    (:func:`mlmkit.moe.routing.uniform_indices`) sends: ``tokens * top_k // experts`` to every
+    expert and one more to each of the first ``tokens * top_k mod experts`` (the same on every rank,
+    which numbers its own tokens from 0), so an expert may get none. Otherwise the mean of an even
+    routing, ``tokens * top_k / experts`` (a fraction where it does not divide). With
+    ``moe_capacity_factor`` each is capped at the capacity ``ceil(factor * tokens * top_k /
     experts)`` (the rule of :func:`mlmkit.moe.routing.capacity`); the rest are dropped."""
-    even = tokens * model.top_k / model.experts
-    if model.moe_capacity_factor is None:
-        return even
-    return min(even, math.ceil(model.moe_capacity_factor * tokens * model.top_k / model.experts))
+    Ex, n = model.experts, tokens * model.top_k
+    if model.moe_force_uniform:
+        base, extra = divmod(int(round(n)), Ex)
+        counts = [float(base + (e < extra)) for e in range(Ex)]
+    else:
+        counts = [n / Ex] * Ex
+    if model.moe_capacity_factor is not None:
+        cap = math.ceil(model.moe_capacity_factor * tokens * model.top_k / Ex)
+        counts = [min(c, cap) for c in counts]
+    return counts
+
+
+def moe_kept_per_expert(model: GPTConfig, tokens: float) -> float:
+    """The mean over the experts of :func:`moe_kept_by_expert`: assignments one expert keeps from
+    one rank's ``tokens`` tokens."""
+    counts = moe_kept_by_expert(model, tokens)
+    return sum(counts) / len(counts)
+
+
+def moe_idle_experts(model: GPTConfig, tokens: float) -> set[int]:
+    """Experts that no token reaches when every rank routes ``tokens`` tokens per microbatch: with
+    ``moe_force_uniform`` and ``tokens * top_k < experts`` the last ones (they run no forward and get
+    no gradient of their own); otherwise none are assumed."""
+    if not model.moe_force_uniform:
+        return set()
+    return {e for e, c in enumerate(moe_kept_by_expert(model, tokens)) if c == 0}
 
 
 def moe_parameter_counts(model: GPTConfig) -> dict:

@@ -133,8 +133,11 @@ class GPTConfig:
     (``"probs"``) or the first in sequence order (``"position"``)."""
     moe_force_uniform: bool = False
     """Route token ``t``'s ``j``-th choice to expert ``(t * top_k + j) mod experts`` whatever the
-    router says (weights still come from the router): exactly even load, for tests and for
-    checking the estimator (like Megatron-LM's ``--moe-router-force-load-balancing``)."""
+    router says (weights still come from the router; ``t`` counts each rank's own tokens from 0):
+    exactly even load when a rank's tokens x top_k divides by experts, else the first experts take
+    one assignment more (and with fewer assignments than experts the last get none). For tests and
+    for checking the estimator, which reproduces it exactly (like Megatron-LM's
+    ``--moe-router-force-load-balancing``)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "hidden", "heads", "layers", "make_vocab_size_divisible_by"):
