@@ -152,6 +152,20 @@ def test_expert_parallelism_is_searched_and_validated():
     assert acts[0] > 1.5 * acts[1]
 
 
+def test_only_layouts_the_model_splits_into_are_planned():
+    # 24 heads sharing 6 key/value heads (tp 4 and 8 neither split nor replicate them), an MLP width
+    # that 8 does not divide, 3000 tokens (cp 4 x tp 2 with sequence parallelism: 3000 / 16 is no integer)
+    model = GPTConfig(vocab_size=32000, seq_len=3000, hidden=3072, heads=24, kv_heads=6, layers=24, ffn_hidden=8196,
+                      norm="rmsnorm", mlp="swiglu", position="rope", bias=False)
+    df = plan(model, gpus=64, gpu="h100-sxm", global_batch_size=512)
+    for row in df.itertuples():
+        model.check_parallel(tp=row.tp, pp=row.pp, chunks=row.chunks, cp=row.cp, sequence_parallel=row.tp > 1)
+    assert set(df.tp) == {1, 2} and set(df.cp) == {1, 2, 4}, (set(df.tp), set(df.cp))    # tp among 1, 2, 4, 8
+    assert not ((df.cp == 4) & (df.tp == 2)).any()
+    with pytest.raises(ValueError, match=r"splits this model.*kv_heads=6 and tp=4"):
+        plan(model, gpus=64, gpu="h100-sxm", global_batch_size=512, tp=4)
+
+
 def test_custom_hardware_is_validated():
     with pytest.raises(ValueError, match="peak_tflops=0"):
         Hardware(name="x", peak_tflops=0, memory_bytes=1, hbm_bandwidth=1, intra_node_bandwidth=1, gpus_per_node=8,

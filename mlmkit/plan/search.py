@@ -4,7 +4,9 @@
 parallel degrees whose product is the GPU count, for a mixture of experts the expert-parallel
 degrees (dividing the experts and a stage's ``tp x cp x dp`` ranks), Megatron-LM's 1F1B and interleaved 1F1B
 (2 or 4 chunks, when the microbatches allow them), micro-batch sizes, the three recomputation
-choices and ZeRO stages 1 and 3; constraints fix any of these. Each layout is predicted by
+choices and ZeRO stages 1 and 3; constraints fix any of these. Only layouts the model can be split
+into are kept (:meth:`~mlmkit.model.GPTConfig.check_parallel`: the MLP width and the key/value heads
+against tp, the sequence against cp x tp, as a training run checks them). Each layout is predicted by
 :func:`mlmkit.plan.predict`; the table is ranked by tokens per second, layouts that do not fit
 in memory last (``fits`` False), the smallest memory per GPU first among them: when nothing
 fits, the top rows are the layouts closest to fitting, not the fastest of the impossible ones.
@@ -49,6 +51,22 @@ def search_space(model: GPTConfig, hw: Hardware, *, gpus: int, global_batch_size
     # expert parallelism: whole experts over ep of a stage's tp x cp x dp ranks (mixtures of experts only)
     eps = options("ep", divisors(model.experts) if model.moe and hw.runtime != "mlmkit" else [1])
     out = []
+    sp = fixed.get("sequence_parallel", True)
+    splits, refused = {}, []
+
+    def splittable(t: int, cp: int, p: int, v: int, ep: int) -> bool:
+        # the model's own rules (a run of this layout would refuse it before starting)
+        key = (t, cp, p, v, ep)
+        if key not in splits:
+            try:
+                model.check_parallel(tp=t, pp=p, chunks=v, cp=cp, ep=ep, sequence_parallel=sp and t > 1)
+                splits[key] = True
+            except ValueError as err:
+                splits[key] = False
+                if str(err) not in refused:
+                    refused.append(str(err))
+        return splits[key]
+
     tps = [t for t in options("tp", divisors(hw.gpus_per_node)) if model.heads % t == 0 and gpus % t == 0]
     for t in tps:
         # mlmkit's own runtime (local-cpu) is modelled without context parallelism
@@ -75,11 +93,15 @@ def search_space(model: GPTConfig, hw: Hardware, *, gpus: int, global_batch_size
                         for rc in options("recompute", ["none", "selective", "full"]):
                             for zero in options("zero", [1, 3] if d * cp > 1 else [1]):
                                 for ep in eps:
-                                    if (t * cp * d) % ep:
+                                    if (t * cp * d) % ep or not splittable(t, cp, p, v, ep):
                                         continue
                                     out.append(Layout(tp=t, cp=cp, pp=p, dp=d, ep=ep, chunks=v, schedule=sched,
                                                       micro_batch_size=b, recompute=rc, zero=zero,
-                                                      sequence_parallel=fixed.get("sequence_parallel", True)))
+                                                      sequence_parallel=sp))
+    if not out and refused:
+        raise ValueError(f"plan: no layout of {gpus} GPUs splits this model (constraints "
+                         f"{ {k: v for k, v in fixed.items() if v is not None} or 'none'}): {refused[0]}"
+                         + (f" (and {len(refused) - 1} other reason(s))" if len(refused) > 1 else ""))
     return out
 
 
