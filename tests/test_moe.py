@@ -346,8 +346,8 @@ def uniform_traces():
                           # (the idle experts' fc2 biases are summed over expert-tp too)
                           "uneven-idle-expert_tp2-bf16": dict(
                               tp=2, cp=2, ep=2, expert_tp=2, sequence_parallel=True, micro_batch_size=1,
-                              global_batch_size=4, precision="bf16", model=dict(experts=6, top_k=1,
-                                                                                 moe_renormalize=False, bias=True))}.items():
+                              global_batch_size=4, precision="bf16",
+                              model=dict(experts=6, top_k=1, moe_renormalize=False, bias=True))}.items():
         m = model if "gelu" not in name else moe_config(**{**model.to_dict(), "mlp": "gelu", "bias": True,
                                                            "moe_shared_ffn_hidden": 32})
         m = moe_config(**{**m.to_dict(), **options.pop("model", {})})

@@ -105,7 +105,8 @@ def _moe_comm(model: GPTConfig, topology: Topology, *, s: int, b: int, m: int, E
         per_mb = runs * ring_wire_bytes("all_reduce", local * 8, et)
         for rows in (ep * k for k in mine):
             full = round(et * rows * h * E)
-            per_mb += (runs + 1) * (ring_wire_bytes("all_gather", full, et) + ring_wire_bytes("reduce_scatter", full, et))
+            pair = ring_wire_bytes("all_gather", full, et) + ring_wire_bytes("reduce_scatter", full, et)
+            per_mb += (runs + 1) * pair
         out["expert-tp"] = m * layers * per_mb
         if model.bias:   # each expert's fc2 bias gradient, once per step, where it has one (under bf16
             # every parameter has its fp32 gradient buffer; in fp32 an expert without rows has none)

@@ -136,12 +136,15 @@ def activation_bytes_per_layer(*, s: int, b: int, h: int, a: int, ffn: Optional[
                                dropout: bool = True, precision="bf16", implementation: str = "megatron",
                                kv_heads: Optional[int] = None, mlp: str = "gelu", norm: str = "layernorm",
                                rope: bool = False, attention: str = "eager", moe: Optional[GPTConfig] = None,
-                               ep: int = 1, expert_tp: int = 1, ep_rank: int = 0, split_backward: bool = False) -> float:
+                               ep: int = 1, expert_tp: int = 1, ep_rank: int = 0,
+                               split_backward: bool = False) -> float:
     """Bytes one Transformer layer keeps for backward, per microbatch (module docstring).
 
-    ``moe``: the model, when its MLP is a mixture of experts, tokens routed evenly: with
-    ``implementation="mlmkit"`` :func:`moe_activation_bytes` over ``ep`` x ``expert_tp`` ranks; with
-    ``"megatron"`` the experts' ``top_k`` rows per token replace the dense MLP's terms.
+    ``moe``: the model, when its MLP is a mixture of experts: with ``implementation="mlmkit"``
+    :func:`moe_activation_bytes` over ``ep`` x ``expert_tp`` ranks, for a rank of expert-parallel rank
+    ``ep_rank``; with ``"megatron"`` the experts' ``top_k`` rows per token (routed evenly) replace the
+    dense MLP's terms. ``split_backward``: the schedule splits backward (zero-bubble), whose linear
+    layers keep their input as it comes (see the ring's output below).
     ``attention``: "eager" (the paper's accounting; the softmax scores are kept), "sdpa"
     (``implementation="mlmkit"`` only: flash kernels keep no ``s x s`` scores when there is no
     attention dropout) or "ring" (ring attention under context parallelism: like flash, plus its
@@ -451,7 +454,7 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
         n = sum(p.numel for p in params)
         stage = (1 if zero1 else 0) if zero is None else zero
         param_bytes, grad_bytes = n * pr.param, n * pr.grad
-        if idle and stage == 1 and pr.master == 0:
+        if idle and stage == 1 and pr.name == "fp32":
             # experts no token reaches get no gradient: ZeRO-1 reads a missing one as zeros without
             # storing it (plain data parallelism zero-fills it for its all-reduce; bf16 keeps fp32
             # gradient buffers for every parameter from the start)

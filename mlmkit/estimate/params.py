@@ -14,7 +14,7 @@ from mlmkit.model.config import GPTConfig
 from mlmkit.topology import Topology
 
 __all__ = ["LocalParam", "check_estimate", "local_parameters", "moe_idle_experts", "moe_kept_by_expert",
-           "moe_kept_per_expert", "moe_parameter_counts", "shard_unit_sizes", "stage_layout", "total_parameters"]
+           "moe_parameter_counts", "shard_unit_sizes", "stage_layout", "total_parameters"]
 
 
 @dataclass(frozen=True)
@@ -163,13 +163,6 @@ def moe_kept_by_expert(model: GPTConfig, tokens: float) -> list[float]:
         cap = math.ceil(model.moe_capacity_factor * tokens * model.top_k / Ex)
         counts = [min(c, cap) for c in counts]
     return counts
-
-
-def moe_kept_per_expert(model: GPTConfig, tokens: float) -> float:
-    """The mean over the experts of :func:`moe_kept_by_expert`: assignments one expert keeps from
-    one rank's ``tokens`` tokens."""
-    counts = moe_kept_by_expert(model, tokens)
-    return sum(counts) / len(counts)
 
 
 def moe_idle_experts(model: GPTConfig, tokens: float) -> set[int]:
