@@ -498,6 +498,11 @@ def test_flipped_byte_and_damaged_metadata_are_named(small_checkpoint, tmp_path)
     (dict(model={"seed": "7"}), r"GPTConfig: seed='7' must be an integer >= 0"),
     (dict(model={"tie_embeddings": "yes"}), r"tie_embeddings='yes' must be true or false"),
     (dict(batch_p2p="auto"), r"batch_p2p='auto' must be true or false"),
+    (dict(chunks=None), r"chunks=None must be an integer >= 1"),
+    (dict(chunks="2"), r"chunks='2' must be an integer >= 1"),
+    # a few zeros too many: refused at once, not by building a schedule of 5e8 microbatches (memory)
+    (dict(global_batch_size=10**9), r"global_batch_size=1000000000 makes 500000000 microbatches per step "
+                                    r"\(micro_batch_size=2 x dp=1 samples each\), more than the 65536"),
 ])
 def test_bad_train_configs_are_named(change, needle):
     with pytest.raises(ValueError, match=needle):

@@ -11,10 +11,14 @@ from mlmkit.model.config import GPTConfig, reject_unknown_keys
 from mlmkit.pipeline.schedule import SCHEDULES, make_schedule
 from mlmkit.topology import Topology
 
-__all__ = ["TOKENIZER_VOCAB", "TrainConfig", "check_corpus", "demo_config"]
+__all__ = ["MAX_MICROBATCHES", "TOKENIZER_VOCAB", "TrainConfig", "check_corpus", "demo_config"]
 
 #: Vocabulary of the byte tokenizer the trainer uses (:class:`mlmkit.train.data.ByteTokenizer`).
 TOKENIZER_VOCAB = 256
+#: Most microbatches a training step may have: its schedule is built action by action before the
+#: first step (about 0.3-0.5 GB and 2-4 s at this count with 4 stages), so a global batch with a few
+#: zeros too many fails here, not by running the machine out of memory.
+MAX_MICROBATCHES = 2**16
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:
@@ -132,7 +136,7 @@ class TrainConfig:
         if all(type(d) is int for d in (self.ep, self.expert_tp)) and not self.model.moe:
             self.model.check_parallel(ep=self.ep, expert_tp=self.expert_tp)   # before the expert grid's arithmetic
         topo = self.topology  # validates degrees
-        for name in ("micro_batch_size", "global_batch_size", "max_steps", "bucket_bytes"):
+        for name in ("chunks", "micro_batch_size", "global_batch_size", "max_steps", "bucket_bytes"):
             _check_int(name, getattr(self, name), minimum=1)
         _check_int("warmup_steps", self.warmup_steps, minimum=0)
         _check_int("seed", self.seed, minimum=0)
@@ -198,6 +202,13 @@ class TrainConfig:
                 f"{self.micro_batch_size} x {self.dp} = {per_step}; use a multiple of {per_step} "
                 f"(e.g. {max(per_step, self.global_batch_size // per_step * per_step)})."
             )
+        if self.microbatches > MAX_MICROBATCHES:
+            raise ValueError(
+                f"TrainConfig: global_batch_size={self.global_batch_size} makes {self.microbatches} microbatches per "
+                f"step (micro_batch_size={self.micro_batch_size} x dp={self.dp} samples each), more than the "
+                f"{MAX_MICROBATCHES} a step's schedule is planned for (action by action: about 2.5 kB per "
+                f"microbatch and stage, built before the first step); raise micro_batch_size or dp, or lower "
+                f"global_batch_size")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
         if self.cp_split not in ("balanced", "naive"):
