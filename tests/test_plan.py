@@ -8,12 +8,14 @@ import sys
 
 import pytest
 
+from mlmkit.estimate import estimate_memory
 from mlmkit.model import GPTConfig
 from mlmkit.model.presets import preset
 from mlmkit.pipeline import make_schedule, simulate
 from mlmkit.plan import GPUS, Hardware, Layout, hardware, plan, predict
 from mlmkit.plan.published import ROWS, comparison
 from mlmkit.plan.timing import pipeline_time
+from mlmkit.topology import Topology
 
 SMALL = GPTConfig(vocab_size=51200, seq_len=2048, hidden=4096, heads=32, layers=32)
 
@@ -162,8 +164,17 @@ def test_only_layouts_the_model_splits_into_are_planned():
         model.check_parallel(tp=row.tp, pp=row.pp, chunks=row.chunks, cp=row.cp, sequence_parallel=row.tp > 1)
     assert set(df.tp) == {1, 2} and set(df.cp) == {1, 2, 4}, (set(df.tp), set(df.cp))    # tp among 1, 2, 4, 8
     assert not ((df.cp == 4) & (df.tp == 2)).any()
-    with pytest.raises(ValueError, match=r"splits this model.*kv_heads=6 and tp=4"):
+    with pytest.raises(ValueError, match=r"runs this job.*kv_heads=6 and tp=4"):
         plan(model, gpus=64, gpu="h100-sxm", global_batch_size=512, tp=4)
+
+
+def test_estimates_and_local_plans_refuse_more_microbatches_than_a_schedule_lists():
+    with pytest.raises(ValueError, match=r"at most 65536 microbatches"):
+        estimate_memory(QUICK, Topology(pp=2), micro_batch_size=1, microbatches=10**7, precision="bf16")
+    # local-cpu simulates each step: layouts with too many microbatches are left out, and said why
+    with pytest.raises(ValueError, match=r"simulates a step action by action, for at most 65536 microbatches"):
+        plan(QUICK, gpus=4, gpu=_local(), global_batch_size=2**17, micro_batch_size=1, dp=1)
+    assert len(plan(QUICK, gpus=4, gpu="h100-sxm", global_batch_size=2**17, micro_batch_size=1, dp=1))   # a formula
 
 
 def test_custom_hardware_is_validated():

@@ -124,6 +124,8 @@ def test_generated_schedules_validate(name):
     (dict(name="1f1b", stages=2, microbatches=4, chunks=2), "only 'interleaved-1f1b'"),
     (dict(name="pipedream", stages=2, microbatches=4), "unknown schedule 'pipedream'"),
     (dict(name="gpipe", stages=0, microbatches=4), "stages=0"),
+    # a batch with a few zeros too many: refused, not listed action by action until memory runs out
+    (dict(name="1f1b", stages=4, microbatches=10**9), r"microbatches=1000000000: .* at most 65536 microbatches"),
 ])
 def test_bad_configs(kwargs, needle):
     name = kwargs.pop("name")

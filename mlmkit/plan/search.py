@@ -18,6 +18,7 @@ import functools
 from typing import Optional, Sequence
 
 from mlmkit.model.config import GPTConfig
+from mlmkit.pipeline.schedule import MAX_MICROBATCHES
 from mlmkit.plan.hardware import Hardware, hardware
 from mlmkit.plan.timing import (MEGATRON_SCHEDULES, Layout, check_ep, check_layout_fields, check_seq_len, divisors,
                                 predict)
@@ -84,6 +85,12 @@ def search_space(model: GPTConfig, hw: Hardware, *, gpus: int, global_batch_size
                     if global_batch_size % (b * d):
                         continue
                     m = global_batch_size // (b * d)
+                    if hw.runtime == "mlmkit" and m > MAX_MICROBATCHES:   # simulated action by action
+                        reason = (f"{hw.name} simulates a step action by action, for at most {MAX_MICROBATCHES} "
+                                  f"microbatches (micro_batch_size={b} x dp={d} makes {m}); use larger microbatches")
+                        if reason not in refused:
+                            refused.append(reason)
+                        continue
                     scheds = [("1f1b", 1)] + ([("interleaved-1f1b", v) for v in (2, 4)] if p > 1 else [])
                     for sched, v in scheds:
                         if fixed.get("schedule") not in (None, sched) or fixed.get("chunks") not in (None, v):
@@ -99,7 +106,7 @@ def search_space(model: GPTConfig, hw: Hardware, *, gpus: int, global_batch_size
                                                       micro_batch_size=b, recompute=rc, zero=zero,
                                                       sequence_parallel=sp))
     if not out and refused:
-        raise ValueError(f"plan: no layout of {gpus} GPUs splits this model (constraints "
+        raise ValueError(f"plan: no layout of {gpus} GPUs runs this job (constraints "
                          f"{ {k: v for k, v in fixed.items() if v is not None} or 'none'}): {refused[0]}"
                          + (f" (and {len(refused) - 1} other reason(s))" if len(refused) > 1 else ""))
     return out

@@ -8,17 +8,13 @@ from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 from mlmkit.model.config import GPTConfig, reject_unknown_keys
-from mlmkit.pipeline.schedule import SCHEDULES, make_schedule
+from mlmkit.pipeline.schedule import MAX_MICROBATCHES, SCHEDULES, make_schedule
 from mlmkit.topology import Topology
 
-__all__ = ["MAX_MICROBATCHES", "TOKENIZER_VOCAB", "TrainConfig", "check_corpus", "demo_config"]
+__all__ = ["TOKENIZER_VOCAB", "TrainConfig", "check_corpus", "demo_config"]
 
 #: Vocabulary of the byte tokenizer the trainer uses (:class:`mlmkit.train.data.ByteTokenizer`).
 TOKENIZER_VOCAB = 256
-#: Most microbatches a training step may have: its schedule is built action by action before the
-#: first step (about 0.3-0.5 GB and 2-4 s at this count with 4 stages), so a global batch with a few
-#: zeros too many fails here, not by running the machine out of memory.
-MAX_MICROBATCHES = 2**16
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:
