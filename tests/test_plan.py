@@ -96,6 +96,8 @@ def test_published_results_within_15_percent_for_most_rows():
     (dict(recompute="some"), "recompute='some'; expected"),
     (dict(schedule="zb-h2"), "schedule='zb-h2'; expected one of gpipe, 1f1b"),
     (dict(schedule="zb-h1"), "covers 1f1b and interleaved-1f1b"),
+    (dict(flash_attention="no"), "flash_attention='no' must be true or false (a bool, not str)"),
+    (dict(gpu=["h100-sxm"]), "gpu=['h100-sxm']: give a preset's name"),
 ])
 def test_bad_plan_input_names_the_value(kwargs, needle):
     args = dict(gpus=64, gpu="h100-sxm", global_batch_size=256)

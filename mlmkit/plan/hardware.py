@@ -191,6 +191,9 @@ def hardware(name_or_hw, **overrides) -> Hardware:
     :func:`mlmkit.distributed.calibrate_local_cpu` (``python -m mlmkit.plan --gpu local-cpu`` does)."""
     if isinstance(name_or_hw, Hardware):
         hw = name_or_hw
+    elif not isinstance(name_or_hw, str):
+        raise ValueError(f"gpu={name_or_hw!r}: give a preset's name ({', '.join(sorted(GPUS))}) or a "
+                         f"mlmkit.plan.Hardware(...)")
     elif name_or_hw in GPUS:
         hw = GPUS[name_or_hw]
     elif name_or_hw == "local-cpu":

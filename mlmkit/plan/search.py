@@ -20,8 +20,8 @@ from typing import Optional, Sequence
 from mlmkit.model.config import GPTConfig
 from mlmkit.pipeline.schedule import MAX_MICROBATCHES
 from mlmkit.plan.hardware import Hardware, hardware
-from mlmkit.plan.timing import (MEGATRON_SCHEDULES, Layout, check_ep, check_layout_fields, check_seq_len, divisors,
-                                predict)
+from mlmkit.plan.timing import (MEGATRON_SCHEDULES, Layout, check_ep, check_flash_attention, check_layout_fields,
+                                check_seq_len, divisors, predict)
 
 __all__ = ["COLUMNS", "check_job", "check_request", "plan", "search_space"]
 
@@ -149,6 +149,7 @@ def plan(model: GPTConfig, *, gpus: int, gpu="h100-sxm", global_batch_size: int,
 
     hw = hardware(gpu)
     check_request(gpus=gpus, global_batch_size=global_batch_size, seq_len=seq_len, top=top, **constraints)
+    check_flash_attention(flash_attention, what="plan")
     s = seq_len or model.seq_len
     if s != model.seq_len:
         from dataclasses import replace

@@ -63,7 +63,8 @@ from mlmkit.pipeline.schedule import SCHEDULES
 from mlmkit.plan.hardware import GiB, Hardware
 from mlmkit.topology import Topology
 
-__all__ = ["Layout", "check_layout_fields", "check_mlmkit_runtime", "check_seq_len", "pipeline_time", "predict"]
+__all__ = ["Layout", "check_flash_attention", "check_layout_fields", "check_mlmkit_runtime", "check_seq_len", "pipeline_time",
+           "predict"]
 
 FRAGMENTATION = 1.05
 #: HBM passes (reads and writes, forward and backward together) over each layer's activations:
@@ -343,12 +344,20 @@ def _predict_mlmkit(model: GPTConfig, hw: Hardware, L: Layout, *, m: int, s: int
             "pp_comm_s": 0.0, "bubble_s": bubble, "dp_comm_s": dp, "optimizer_s": optimizer}
 
 
+def check_flash_attention(value: object, *, what: str) -> None:
+    """ValueError unless ``flash_attention`` is a bool (a string such as "no" would read as true)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{what}: flash_attention={value!r} must be true or false (a bool, not "
+                         f"{type(value).__name__})")
+
+
 def predict(model: GPTConfig, hw: Hardware, layout: Layout, *, global_batch_size: int,
             seq_len: Optional[int] = None, flash_attention: bool = True) -> dict:
     """Step time, throughput, FLOP/s, MFU, memory per GPU and the time breakdown of ``layout``
     (module docstring). Raises ``ValueError`` when the layout does not divide the job."""
     L = layout
     check_seq_len(seq_len, what="predict")
+    check_flash_attention(flash_attention, what="predict")
     if hw.runtime == "megatron" and L.schedule not in MEGATRON_SCHEDULES:
         raise ValueError(f"predict: schedule={L.schedule!r}: the time model of Megatron-LM's runtime ({hw.name}) "
                          f"covers {' and '.join(MEGATRON_SCHEDULES)}; simulate other schedules with "
