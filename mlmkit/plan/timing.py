@@ -63,8 +63,8 @@ from mlmkit.pipeline.schedule import SCHEDULES
 from mlmkit.plan.hardware import GiB, Hardware
 from mlmkit.topology import Topology
 
-__all__ = ["Layout", "check_flash_attention", "check_layout_fields", "check_mlmkit_runtime", "check_seq_len", "pipeline_time",
-           "predict"]
+__all__ = ["Layout", "check_flash_attention", "check_layout_fields", "check_mlmkit_runtime", "check_seq_len",
+           "pipeline_time", "predict"]
 
 FRAGMENTATION = 1.05
 #: HBM passes (reads and writes, forward and backward together) over each layer's activations:
