@@ -14,6 +14,7 @@ import torch
 from mlmkit.distributed import ProcessGroups, RankFailure, run_ranks
 from mlmkit.model import GPT, GPTConfig
 from mlmkit.train import TrainConfig
+from mlmkit.train.config import check_corpus
 from mlmkit.train.checkpoint import CheckpointError, export_state_dict, load_checkpoint, save_checkpoint
 from mlmkit.train.data import TextData
 from mlmkit.train.lr import lr_at
@@ -531,6 +532,30 @@ def test_a_corpus_no_rank_can_read_fails_before_any_process_group(corpus, needle
                          text=True, timeout=60)
     assert out.returncode != 0 and f"python -m mlmkit.train: corpus={path!r} {needle}" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("content", [b"ab\r\n" * 5, b"line\rone\r\n" + "d\xe9j\xe0 vu!".encode("latin-1"),
+                                     bytes(range(256)) + b"\xff\xfe", b"x" * 17])
+def test_a_corpus_is_read_as_its_bytes_and_every_window_is_drawn(content, tmp_path):
+    # A corpus was decoded as UTF-8 in text mode: CRLF line ends became one token (a 20-byte file
+    # passed the size check and then every rank failed in torch.randint), a Latin-1 file raised
+    # UnicodeDecodeError on every rank, and the corpus's last byte was never a target.
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(content)
+    seq_len = 16
+    check_corpus(str(path), seq_len=seq_len)              # passes: len(content) >= seq_len + 1
+    data = TextData(seq_len=seq_len, path=str(path))
+    assert data.tokens.tolist() == list(content)
+    windows = {bytes(content[i:i + seq_len + 1]) for i in range(len(content) - seq_len)}
+    seen = set()
+    for step in range(1000):                              # 8000 draws of at most 242 windows
+        tokens, targets = data.batch(step, 8)
+        assert torch.equal(tokens[:, 1:], targets[:, :-1])
+        seen |= {bytes(t + [y]) for t, y in zip(tokens.tolist(), targets[:, -1].tolist())}
+    assert seen == windows                                # every window, the last byte's included, none else
+    n = len(content)
+    with pytest.raises(ValueError, match=rf"has {n} bytes \(tokens\), too few for one window of seq_len\+1={n + 1}"):
+        check_corpus(str(path), seq_len=n)
 
 
 def test_global_batch_not_divisible():

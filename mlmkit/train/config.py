@@ -280,9 +280,9 @@ def check_corpus(path: Optional[str], *, seq_len: int) -> None:
         return
     if not os.path.isfile(path):
         what = "is a directory" if os.path.isdir(path) else "does not exist"
-        raise ValueError(f"corpus={path!r} {what}: give a UTF-8 text file (or no corpus: the shipped one)")
+        raise ValueError(f"corpus={path!r} {what}: give a text file (or no corpus: the shipped one)")
     size = os.path.getsize(path)
-    if size <= seq_len + 1:
+    if size < seq_len + 1:
         raise ValueError(f"corpus={path!r} has {size} bytes (tokens), too few for one window of seq_len+1="
                          f"{seq_len + 1}: give a longer text or a shorter seq_len")
 
