@@ -259,6 +259,58 @@ def test_a_config_for_another_grid_is_refused_with_the_fix(cluster):
         cluster.session(CFG.replace(corpus="/no/such/corpus.txt"))
 
 
+def test_a_session_resumes_a_batch_checkpoint_and_saves_every_step(cluster, tmp_path):
+    # Never tested before: a session given one checkpoint's folder (a batch job's step_000003)
+    # started at step 0 without a word, a mistyped folder too, and a folder that was a file or held
+    # another model's checkpoint failed on the engines with a traceback per rank.
+    from mlmkit.distributed import ProcessGroups
+    from mlmkit.train.checkpoint import save_checkpoint
+    from mlmkit.train.trainer import Trainer
+
+    serial = Trainer(CFG.replace(tp=1, pp=1), groups=ProcessGroups.single())    # the batch job, 1 process
+    ref = []
+    for step in range(5):
+        if step == 3:
+            save_checkpoint(serial, str(tmp_path / "batch"))
+        ref.append(serial.train_step()["loss"])
+
+    def close(got, want):
+        return all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, want, strict=True))
+
+    for source in ("batch", "batch/step_000003"):          # a folder of checkpoints, or one checkpoint
+        session = cluster.session(CFG, checkpoint_dir=str(tmp_path / source))
+        assert session.step_index == 3, source
+        assert close(session.train(2, progress=False).loss, ref[3:]), source
+        session.close()
+    every = str(tmp_path / "every")
+    session = cluster.session(CFG, checkpoint_dir=every, save_every_step=True)   # missing: created
+    assert session.step_index == 0 and close(session.train(2, progress=False).loss, ref[:2])
+    session.close()
+    assert open(os.path.join(every, "latest")).read() == "step_000002"
+    session = cluster.session(CFG, checkpoint_dir=every)
+    assert session.step_index == 2 and close([session.step()["loss"]], ref[2:3])
+    session.close()
+
+    (tmp_path / "a_file").write_text("")
+    batch, a_file, typo = str(tmp_path / "batch"), str(tmp_path / "a_file"), str(tmp_path / "typo")
+    for cfg, kwargs, needle in [
+        (CFG, dict(checkpoint_dir=a_file, save_every_step=True), f"checkpoint_dir={a_file!r} is a file"),
+        (CFG.replace(model=dict(kv_heads=2)), dict(checkpoint_dir=batch),
+         f"checkpoint_dir={batch!r}: checkpoint {batch}/step_000003 was saved from another model configuration "
+         f"(kv_heads: checkpoint None vs model 2)"),
+        (CFG, dict(checkpoint_dir=typo), f"checkpoint_dir={typo!r}: no checkpoint at {typo}: the folder does not "
+                                         f"exist (save_every_step=True starts there from step 0"),
+        (CFG, dict(checkpoint_dir=batch + "/step_000003", save_every_step=True),
+         "is one checkpoint's folder: to save every step, give the folder that holds it"),
+    ]:
+        with pytest.raises(ValueError) as err:
+            cluster.session(cfg, **kwargs)
+        assert str(err.value).startswith("Session: checkpoint_dir=") and needle in str(err.value), str(err.value)
+    session = cluster.session(CFG)                           # the refusals left nothing on the engines
+    assert close([session.step()["loss"]], ref[:1])
+    session.close()
+
+
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_reset_half_way_then_the_step_equals_an_uninterrupted_one(cluster, dropout):
     # Beside the widget's one reset: a reset after the first action and one in the steady state both

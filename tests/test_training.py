@@ -534,6 +534,38 @@ def test_a_corpus_no_rank_can_read_fails_before_any_process_group(corpus, needle
     assert "Traceback" not in out.stderr
 
 
+def test_files_a_run_reads_and_writes_are_checked_before_it_starts(tmp_path):
+    # --save-dir on a file and --metrics-out in a missing folder failed after the whole run (its
+    # work lost), --load of a missing checkpoint or of another model's after the process groups
+    # were built, each with a traceback.
+    trainer = Trainer(BASE, groups=ProcessGroups.single())
+    save_checkpoint(trainer, str(tmp_path / "ckpt"))
+    config = tmp_path / "run.json"
+    BASE.save(str(config))
+    (tmp_path / "a_file").write_text("")
+    ckpt, a_file = str(tmp_path / "ckpt"), str(tmp_path / "a_file")
+    cases = [
+        (["--load", str(tmp_path / "none")], f"--load={str(tmp_path / 'none')!r}: no checkpoint at "),
+        (["--load", ckpt, "--kv-heads", "2"], f"--load={ckpt!r}: checkpoint {ckpt}/step_000000 was saved from another "
+                                              "model configuration (kv_heads: checkpoint None vs model 2)"),
+        (["--save-dir", a_file], f"--save-dir={a_file!r} is a file: give a folder"),
+        (["--save-dir", a_file + "/sub"], f"--save-dir={a_file + '/sub'!r} cannot be created or written to"),
+        (["--metrics-out", str(tmp_path / "no" / "m.csv")],
+         f"--metrics-out={str(tmp_path / 'no' / 'm.csv')!r}: the folder {str(tmp_path / 'no')!r} does not exist"),
+        (["--metrics-out", str(tmp_path)], f"--metrics-out={str(tmp_path)!r} is a folder: give a file name"),
+    ]
+    for flags, needle in cases:
+        out = subprocess.run([sys.executable, "-m", "mlmkit.train", "--config", str(config), "--steps", "1", *flags],
+                             capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
+        assert out.returncode != 0 and f"python -m mlmkit.train: {needle}" in out.stderr, (flags, out.stderr[-2000:])
+        assert "Traceback" not in out.stderr and '"loss"' not in out.stdout, flags
+    out = subprocess.run([sys.executable, "-m", "mlmkit.train", "--config", str(config), "--steps", "1", "--load", ckpt,
+                          "--save-dir", str(tmp_path / "new" / "dir"), "--metrics-out", "m.csv"],
+                         capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "m.csv").exists() and os.path.exists(tmp_path / "new" / "dir" / "step_000001" / "metadata.json")
+
+
 @pytest.mark.parametrize("content", [b"ab\r\n" * 5, b"line\rone\r\n" + "d\xe9j\xe0 vu!".encode("latin-1"),
                                      bytes(range(256)) + b"\xff\xfe", b"x" * 17])
 def test_a_corpus_is_read_as_its_bytes_and_every_window_is_drawn(content, tmp_path):

@@ -201,6 +201,30 @@ class _Interrupts:
         return False
 
 
+def _check_checkpoint_dir(path, *, save_every_step: bool, model) -> None:
+    """ValueError, on the driver before any engine builds a trainer, for a ``checkpoint_dir`` the
+    session could not use: not a folder, a checkpoint of another model, nothing to resume from
+    when nothing will be saved there (a mistyped path started from step 0 before), or one
+    checkpoint's own folder to save into."""
+    from mlmkit.train.checkpoint import CheckpointError, check_checkpoint
+
+    where = f"Session: checkpoint_dir={path!r}"
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"{where} must be a folder's path (str)")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{where} is a file: give a folder of checkpoints (created if missing with "
+                         f"save_every_step=True)")
+    if save_every_step and os.path.exists(os.path.join(path, "metadata.json")):
+        raise ValueError(f"{where} is one checkpoint's folder: to save every step, give the folder that holds it")
+    holds = os.path.exists(os.path.join(path, "latest")) or os.path.exists(os.path.join(path, "metadata.json"))
+    if holds or not save_every_step:
+        try:
+            check_checkpoint(os.fspath(path), model)
+        except CheckpointError as err:
+            fix = "" if holds else " (save_every_step=True starts there from step 0 and saves every step)"
+            raise ValueError(f"{where}: {err}{fix}") from None
+
+
 # ------------------------------------------------------------------------------------ the session
 class Session:
     """Step-by-step training on a running :class:`~mlmkit.cluster.Cluster` (see module docstring).
@@ -208,9 +232,11 @@ class Session:
     Args:
         cluster: the running cluster; its topology must be the config's.
         config: the run.
-        checkpoint_dir: resume from the newest checkpoint there, if any.
+        checkpoint_dir: resume from the checkpoint there (a folder of checkpoints, whose newest is
+            taken, or one checkpoint's folder, e.g. a batch job's). Without ``save_every_step`` it
+            must hold a checkpoint of this model; checked here, before any engine builds a trainer.
         save_every_step: also write a checkpoint into ``checkpoint_dir`` after every step (it then
-            serves as the kept last step).
+            serves as the kept last step); the folder may then be empty or missing.
         keep_last_step: keep the last finished step recoverable (module docstring).
     """
 
@@ -225,6 +251,9 @@ class Session:
         check_corpus(config.corpus, seq_len=config.model.seq_len)      # here, not once per engine
         if save_every_step and not checkpoint_dir:
             raise ValueError("Session: save_every_step=True needs a checkpoint_dir to save into")
+        if checkpoint_dir is not None:
+            _check_checkpoint_dir(checkpoint_dir, save_every_step=save_every_step, model=config.model)
+            checkpoint_dir = os.path.abspath(checkpoint_dir)    # the engines' working folder may differ
         self.cluster, self.config = cluster, config
         self.id = uuid.uuid4().hex[:8]
         self.checkpoint_dir, self.save_every_step, self.keep_last_step = checkpoint_dir, save_every_step, keep_last_step
@@ -307,9 +336,10 @@ class Session:
         return tempfile.mkdtemp(prefix=f"session-{self.id}-", dir=base)
 
     def _source(self) -> Optional[str]:
-        """The newest saved state: the session's kept step, else the user's checkpoint_dir."""
+        """The newest saved state: the session's kept step, else the user's checkpoint_dir (a folder
+        of checkpoints, or one checkpoint)."""
         for d in (self._snapshot_dir, self.checkpoint_dir):
-            if d and os.path.exists(os.path.join(d, "latest")):
+            if d and (os.path.exists(os.path.join(d, "latest")) or os.path.exists(os.path.join(d, "metadata.json"))):
                 return d
         return None
 

@@ -101,11 +101,47 @@ ARCHITECTURES = {
 }
 
 
+def _writable_folder(path: str) -> bool:
+    """``path`` is a folder this process may create files in, or could be created as one."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
+
+
+def check_paths(args, cfg: TrainConfig) -> None:
+    """The files a run reads and writes, checked before any process group exists: a checkpoint to
+    resume that is missing or of another model, or an output that cannot be written (found only
+    after the whole run before), raise ValueError naming the flag."""
+    if args.load is not None:
+        from mlmkit.train.checkpoint import CheckpointError, check_checkpoint
+
+        try:
+            check_checkpoint(args.load, cfg.model)
+        except CheckpointError as err:
+            raise ValueError(f"--load={args.load!r}: {err}") from None
+    if args.save_dir is not None:
+        if os.path.exists(args.save_dir) and not os.path.isdir(args.save_dir):
+            raise ValueError(f"--save-dir={args.save_dir!r} is a file: give a folder (created if missing)")
+        if not _writable_folder(args.save_dir):
+            raise ValueError(f"--save-dir={args.save_dir!r} cannot be created or written to: give a writable folder")
+    if args.metrics_out is not None:
+        if os.path.isdir(args.metrics_out):
+            raise ValueError(f"--metrics-out={args.metrics_out!r} is a folder: give a file name (CSV)")
+        parent = os.path.dirname(os.path.abspath(args.metrics_out))
+        if not os.path.isdir(parent):
+            raise ValueError(f"--metrics-out={args.metrics_out!r}: the folder {parent!r} does not exist")
+        if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(args.metrics_out)
+                                                         and not os.access(args.metrics_out, os.W_OK)):
+            raise ValueError(f"--metrics-out={args.metrics_out!r} cannot be written: give a writable file")
+
+
 def main(argv=None) -> int:
     args = _parse(argv)
     try:
         cfg = build_config(args)  # bad configs fail here, before any process group exists
         check_corpus(cfg.corpus, seq_len=cfg.model.seq_len)
+        check_paths(args, cfg)
     except ValueError as err:
         raise SystemExit(f"python -m mlmkit.train: {err}") from None
     if args.print_world_size:

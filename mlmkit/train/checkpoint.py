@@ -53,7 +53,8 @@ import torch
 from mlmkit.tensor_parallel.layers import shard_full, unshard
 from mlmkit.train.config import TrainConfig
 
-__all__ = ["CheckpointError", "export_state_dict", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointError", "check_checkpoint", "export_state_dict", "latest_checkpoint", "load_checkpoint",
+           "save_checkpoint"]
 
 FORMAT = "mlmkit-checkpoint-2"
 _FORMATS = ("mlmkit-checkpoint-1", FORMAT)   # version 1: sizes only, no checksums
@@ -353,8 +354,16 @@ def load_checkpoint(trainer, path: str) -> int:
         raise CheckpointError(f"checkpoint {path} cannot be loaded: {type(err).__name__}: {err}") from None
 
 
-def _load(trainer, path: str) -> int:
-    meta = _read_metadata(path)
+def check_checkpoint(path: str, model) -> str:
+    """The checkpoint folder ``path`` resolves to, once its metadata is readable and it was saved
+    from ``model`` (a :class:`~mlmkit.model.GPTConfig`); :class:`CheckpointError` otherwise. Reads
+    one small file and needs no process: drivers call it before any process group exists."""
+    path = latest_checkpoint(path)
+    _check_model(path, _read_metadata(path), model)
+    return path
+
+
+def _check_model(path: str, meta: dict, model) -> None:
     saved_model = meta["config"]["model"]
     try:   # fill the defaults of fields newer than the checkpoint
         from mlmkit.model.config import GPTConfig
@@ -363,11 +372,16 @@ def _load(trainer, path: str) -> int:
     except (TypeError, ValueError) as err:
         raise CheckpointError(f"checkpoint {path}/metadata.json has a model configuration this version cannot "
                               f"read: {err}") from None
-    mine = trainer.config.model.to_dict()
+    mine = model.to_dict()
     diff = sorted(k for k in set(saved_model) | set(mine) if saved_model.get(k) != mine.get(k))
     if diff:
         details = ", ".join(f"{k}: checkpoint {saved_model.get(k)!r} vs model {mine.get(k)!r}" for k in diff)
         raise CheckpointError(f"checkpoint {path} was saved from another model configuration ({details})")
+
+
+def _load(trainer, path: str) -> int:
+    meta = _read_metadata(path)
+    _check_model(path, meta, trainer.config.model)
     shards = _Shards(path, meta)
     g = trainer.groups
     states = {}
