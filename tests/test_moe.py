@@ -246,6 +246,8 @@ def test_capacity_drops_match_a_serial_reference(layout, policy):
     cfg = _config(model, **layout)
     traces = run_ranks(_first_step_moe_trace, world_size=cfg.world_size, args=(cfg.to_dict(),), timeout_s=300)
     moe = merge_traces([{"moe": m} for m, _ in traces])["moe"]
+    for (rank, site), calls in moe.groupby(["rank", "site"]).call:      # each layer's calls 0, 1, ... in order
+        assert list(calls) == list(range(cfg.microbatches)), (rank, site, list(calls))
     # Serial reference: the same global batch through the serial model (identical weights at step 0),
     # the router logits of every layer and microbatch cut into the token groups each rank routed.
     serial = GPT(model)

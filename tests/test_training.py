@@ -534,6 +534,17 @@ def test_a_corpus_no_rank_can_read_fails_before_any_process_group(corpus, needle
     assert "Traceback" not in out.stderr
 
 
+def test_a_batch_job_records_no_traces(tmp_path):
+    # It recorded every collective and action of every step and wrote none of them: 75 rows and
+    # about 50 KB more per rank and step for the quickstart model, for as long as the job ran.
+    from mlmkit.train.__main__ import _parse, build_config
+
+    config = tmp_path / "run.json"
+    BASE.replace(tracing=True).save(str(config))
+    for argv in ([], ["--config", str(config)], ["--config", str(config), "--tp", "2"]):
+        assert build_config(_parse(argv)).tracing is False, argv
+
+
 def test_files_a_run_reads_and_writes_are_checked_before_it_starts(tmp_path):
     # --save-dir on a file and --metrics-out in a missing folder failed after the whole run (its
     # work lost), --load of a missing checkpoint or of another model's after the process groups

@@ -59,6 +59,7 @@ class Tracer:
         self.events: list[tuple] = []
         self.ring: list[tuple] = []
         self.moe: list[tuple] = []
+        self._moe_calls: dict[str, int] = {}
 
     def record_comm(self, *, op: str, axis: str, ranks: tuple[int, ...], nbytes: int,
                     wire_bytes: int, start: float, end: float, site: str, phase: str = "") -> None:
@@ -78,7 +79,8 @@ class Tracer:
     def record_moe(self, *, site: str, routed: list, kept: list, received: list, dropped: int, aux_loss: float,
                    z_loss: float) -> None:
         if self.enabled:
-            call = sum(1 for row in self.moe if row[1] == site)
+            call = self._moe_calls.get(site, 0)             # this site's calls so far (a count, not a scan)
+            self._moe_calls[site] = call + 1
             self.moe.append((self.rank, site, call, routed, kept, received, dropped, aux_loss, z_loss))
 
     def clear(self) -> None:
@@ -86,6 +88,7 @@ class Tracer:
         self.events.clear()
         self.ring.clear()
         self.moe.clear()
+        self._moe_calls.clear()
 
     @contextlib.contextmanager
     def paused(self):
