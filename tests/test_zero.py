@@ -172,6 +172,43 @@ def test_checkpoint_resumes_exactly_in_other_stages_and_layouts(tmp_path, saved_
         assert got == pytest.approx(losses[2:], rel=1e-6), (options, got, losses[2:])
 
 
+def _resume_weights(rank, world_size, cfg_dict, directory):
+    cfg = TrainConfig.from_dict(cfg_dict)
+    trainer = Trainer(cfg, groups=ProcessGroups.build(cfg.topology) if world_size > 1 else ProcessGroups.single())
+    load_checkpoint(trainer, directory)
+    with trainer.full_parameters():
+        weights = {n: p.detach().clone() for c in trainer.chunks for n, p in gather_full(c).items()}
+    return weights, [trainer.train_step()["loss"] for _ in range(2)]
+
+
+def test_a_mixed_precision_checkpoint_resumes_in_fp32_from_its_master_weights(tmp_path):
+    # An fp32 trainer loaded a bf16 checkpoint's bf16 parameters (its weights rounded, up to 4e-3
+    # off here) and ignored the fp32 masters beside them, except ZeRO-1/2/3's shards, which took
+    # the masters: two layouts of one resume then trained on from different weights.
+    from mlmkit.train.checkpoint import export_state_dict
+
+    directory = str(tmp_path / "ckpt")
+    source = Trainer(_config(precision="bf16"), groups=ProcessGroups.single())
+    for _ in range(2):
+        source.train_step()
+    save_checkpoint(source, directory)
+    masters = {n: s["master"] for n, s in source.optimizer.state_by_name()[0].items()}
+    exported = export_state_dict(directory)
+    assert all(exported[n].dtype == torch.float32 and torch.equal(exported[n], masters[n]) for n in masters)
+    runs = {}
+    for options in (dict(), dict(dp=2), dict(dp=2, zero=1), dict(dp=2, zero=3), dict(precision="bf16")):
+        cfg = _config(**options)
+        runs[str(options)] = run_ranks(_resume_weights, world_size=cfg.world_size, args=(cfg.to_dict(), directory),
+                                       timeout_s=300)[0] if cfg.world_size > 1 else \
+            _resume_weights(0, 1, cfg.to_dict(), directory)
+    for options, (weights, losses) in runs.items():
+        for n, m in masters.items():
+            want = m if "bf16" not in options else m.to(torch.bfloat16)
+            assert torch.equal(weights[n], want), (options, n, (weights[n].float() - m).abs().max())
+        if "bf16" not in options:
+            assert losses == pytest.approx(runs["{}"][1], rel=1e-6), (options, losses)
+
+
 def test_parameters_are_freed_between_steps_and_whole_on_demand():
     cfg = _config(zero=3, dp=1)
     trainer = Trainer(cfg, groups=ProcessGroups.single())

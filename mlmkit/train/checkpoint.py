@@ -391,7 +391,10 @@ def _load(trainer, path: str) -> int:
             full = shards.full(name)
             if full is None:
                 raise CheckpointError(f"checkpoint {path} has no parameter {name!r}")
-            p.copy_(_local_slice(full, p, tp, tp_rank))
+            master = shards.full(name, what="optimizer", key="master")
+            # A mixed-precision checkpoint's weights are its fp32 masters (its bf16 parameters are
+            # them rounded): fp32 parameters take those, bf16 parameters round them again.
+            p.copy_(_local_slice(master if master is not None else full, p, tp, tp_rank))
             st = {}
             for key in ("exp_avg", "exp_avg_sq", "master"):
                 f = shards.full(name, what="optimizer", key=key)
@@ -425,7 +428,8 @@ def _load(trainer, path: str) -> int:
 
 
 def export_state_dict(path: str) -> dict[str, torch.Tensor]:
-    """The checkpoint as one full state dict for the serial model ``GPT(config.model)`` (no process needed)."""
+    """The checkpoint as one full state dict for the serial model ``GPT(config.model)`` (no process
+    needed), in its dtype (fp32): a mixed-precision checkpoint gives its fp32 master weights."""
     from mlmkit.model import GPT
 
     path = latest_checkpoint(path)
@@ -438,5 +442,6 @@ def export_state_dict(path: str) -> dict[str, torch.Tensor]:
         full = shards.full(name)
         if full is None:
             raise CheckpointError(f"checkpoint {path} has no parameter {name!r}")
-        out[name] = _local_slice(full, p, 1, 0).clone()
+        master = shards.full(name, what="optimizer", key="master")     # bf16 runs: the fp32 weights
+        out[name] = _local_slice(master if master is not None else full, p, 1, 0).to(p.dtype).clone()
     return out
