@@ -167,3 +167,19 @@ def test_from_torch_refuses_what_it_cannot_place(tmp_path):
     path.write_text("0F0,0Q1\n")
     with pytest.raises(ValueError, match="'0Q1' is not an action of torch's pipeline notation"):
         from_torch(str(path))
+
+
+def test_bad_exports_name_the_fix_and_leave_the_file_alone(tmp_path):
+    # A bad format raised only once the file was open for writing: an existing schedule was emptied.
+    # A schedule's name raised AttributeError; a pathlib.Path was taken for a torch schedule.
+    path = tmp_path / "s.csv"
+    s = make_schedule("1f1b", stages=2, microbatches=4)
+    to_torch_csv(s, str(path))
+    before = path.read_text()
+    with pytest.raises(ValueError, match=r"format='compute': expected 'compute_only' or 'compute_comms'"):
+        to_torch_csv(s, str(path), format="compute")
+    with pytest.raises(TypeError, match=r"expected an mlmkit Schedule, got str '1f1b': build one with "
+                                        r"mlmkit.pipeline.make_schedule"):
+        to_torch_csv("1f1b", str(path))
+    assert path.read_text() == before
+    assert from_torch(path).actions == s.actions                 # a Path reads like its str

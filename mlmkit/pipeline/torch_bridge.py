@@ -25,6 +25,7 @@ Pure planning code: actions are read from their text (``str(action)``), torch is
 from __future__ import annotations
 
 import csv
+import os
 import re
 from typing import Optional, Union
 
@@ -39,6 +40,9 @@ _ACTION = re.compile(r"^(\d+)(F|I|B|W|UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|
 
 def torch_rows(schedule: Schedule, *, format: str = "compute_only") -> list[list[str]]:
     """Per rank, the schedule's actions in torch's notation (``"0F1"``, ``"1SEND_F0"``, ...)."""
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"expected an mlmkit Schedule, got {type(schedule).__name__} {schedule!r:.60}: build one with "
+                        f"mlmkit.pipeline.make_schedule(name, stages=..., microbatches=...)")
     if format not in ("compute_only", "compute_comms"):
         raise ValueError(f"format={format!r}: expected 'compute_only' or 'compute_comms'")
     if format == "compute_comms":
@@ -74,8 +78,9 @@ def torch_rows(schedule: Schedule, *, format: str = "compute_only") -> list[list
 def to_torch_csv(schedule: Schedule, path: str, *, format: str = "compute_only") -> str:
     """Write ``schedule`` as torch's CSV (``_PipelineScheduleRuntime._load_csv(path, format)``);
     returns ``path``."""
+    rows = torch_rows(schedule, format=format)     # first: a refused call leaves an existing file as it was
     with open(path, "w", newline="") as f:
-        csv.writer(f).writerows(torch_rows(schedule, format=format))
+        csv.writer(f).writerows(rows)
     return path
 
 
@@ -88,7 +93,7 @@ def _parse(text: str) -> Optional[tuple[int, str, Optional[int]]]:
 
 def _torch_order(source) -> list[list[str]]:
     """Per rank, the compute actions of a CSV file or of a torch schedule's ``pipeline_order``."""
-    if isinstance(source, str):
+    if isinstance(source, (str, os.PathLike)):
         with open(source, newline="") as f:
             return [[cell for cell in row if cell.strip()] for row in csv.reader(f)]
     order = getattr(source, "pipeline_order", None)
@@ -107,7 +112,7 @@ def _torch_order(source) -> list[list[str]]:
     return rows
 
 
-def from_torch(source: Union[str, object], *, name: str = "torch", microbatches: Optional[int] = None) -> Schedule:
+def from_torch(source: Union[str, os.PathLike, object], *, name: str = "torch", microbatches: Optional[int] = None) -> Schedule:
     """An mlmkit :class:`Schedule` from torch's CSV file (path) or a torch schedule instance.
 
     The stage-to-rank placement (torch's "loop" or "v") is read from where the stages' actions
