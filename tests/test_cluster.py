@@ -290,13 +290,18 @@ def test_a_session_resumes_a_batch_checkpoint_and_saves_every_step(cluster, tmp_
     session = cluster.session(CFG, checkpoint_dir=every)
     assert session.step_index == 2 and close([session.step()["loss"]], ref[2:3])
     session.close()
+    # Saving every step into a batch job's folder keeps the job's checkpoints (they were deleted).
+    session = cluster.session(CFG, checkpoint_dir=str(tmp_path / "batch"), save_every_step=True)
+    assert close(session.train(2, progress=False).loss, ref[3:])
+    session.close()
+    assert sorted(os.listdir(tmp_path / "batch")) == ["latest", "step_000003", "step_000005"]
 
     (tmp_path / "a_file").write_text("")
     batch, a_file, typo = str(tmp_path / "batch"), str(tmp_path / "a_file"), str(tmp_path / "typo")
     for cfg, kwargs, needle in [
         (CFG, dict(checkpoint_dir=a_file, save_every_step=True), f"checkpoint_dir={a_file!r} is a file"),
         (CFG.replace(model=dict(kv_heads=2)), dict(checkpoint_dir=batch),
-         f"checkpoint_dir={batch!r}: checkpoint {batch}/step_000003 was saved from another model configuration "
+         f"checkpoint_dir={batch!r}: checkpoint {batch}/step_000005 was saved from another model configuration "
          f"(kv_heads: checkpoint None vs model 2)"),
         (CFG, dict(checkpoint_dir=typo), f"checkpoint_dir={typo!r}: no checkpoint at {typo}: the folder does not "
                                          f"exist (save_every_step=True starts there from step 0"),

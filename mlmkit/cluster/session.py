@@ -19,7 +19,8 @@ The session is always in a defined state; training never goes silently wrong:
 
 - **The last finished step is kept.** After every step each rank's state is saved (a checkpoint
   of the session's own, in the cluster's private folder, replaced at every step; or into
-  ``checkpoint_dir`` with ``save_every_step=True``). ``keep_last_step=False`` saves nothing; then
+  ``checkpoint_dir`` with ``save_every_step=True``, where the session's newest checkpoint replaces
+  its previous one and checkpoints it did not write are kept). ``keep_last_step=False`` saves nothing; then
   a loss of state raises :class:`StateLost` instead of being repaired.
 - **A failed step is abandoned on every rank** before the next call: gradients and activations
   dropped, the optimizer never stepped, so the weights are those of the last finished step. If a
@@ -111,12 +112,12 @@ def _finish(state, sid):
     return t.finish_step()
 
 
-def _snapshot(state, sid, directory):
+def _snapshot(state, sid, directory, keep):
     from mlmkit.train.checkpoint import save_checkpoint
 
     trainer = _trainer(state, sid)
     with trainer.tracer.paused():        # housekeeping, not training traffic
-        save_checkpoint(trainer, directory, keep=1)
+        return save_checkpoint(trainer, directory, keep=keep)
 
 
 def _abandon(state, sid):
@@ -236,7 +237,8 @@ class Session:
             taken, or one checkpoint's folder, e.g. a batch job's). Without ``save_every_step`` it
             must hold a checkpoint of this model; checked here, before any engine builds a trainer.
         save_every_step: also write a checkpoint into ``checkpoint_dir`` after every step (it then
-            serves as the kept last step); the folder may then be empty or missing.
+            serves as the kept last step; each replaces the session's previous one, and
+            checkpoints the session did not write stay); the folder may then be empty or missing.
         keep_last_step: keep the last finished step recoverable (module docstring).
     """
 
@@ -265,6 +267,7 @@ class Session:
         self._claim_cluster()                 # before anything is made that a refusal would leave behind
         self._close_dropped()
         self._snapshot_dir = self._make_snapshot_dir()
+        self._written: Optional[str] = None          # the session's last checkpoint in checkpoint_dir
         self.history: list[dict] = []
         self.last_actions: dict[int, Optional[str]] = {}
         self._interrupts = _Interrupts()
@@ -334,6 +337,18 @@ class Session:
             base = os.path.join(os.path.expanduser("~"), ".mlmkit", "sessions")
             os.makedirs(base, mode=0o700, exist_ok=True)
         return tempfile.mkdtemp(prefix=f"session-{self.id}-", dir=base)
+
+    def _save_snapshot(self) -> None:
+        """Save the finished step. The session's private folder keeps only it; the user's
+        ``checkpoint_dir`` keeps every checkpoint that was there before (a batch job's) and, of
+        the session's own, only the newest (they were all deleted but the newest before)."""
+        if self._snapshot_dir != self.checkpoint_dir:
+            self._call(_snapshot, self._snapshot_dir, 1)
+            return
+        path = self._call(_snapshot, self._snapshot_dir, None)[0]     # collective: every rank saves
+        previous, self._written = self._written, path
+        if previous is not None and os.path.abspath(previous) != os.path.abspath(path):
+            shutil.rmtree(previous, ignore_errors=True)
 
     def _source(self) -> Optional[str]:
         """The newest saved state: the session's kept step, else the user's checkpoint_dir (a folder
@@ -464,7 +479,7 @@ class Session:
         self.history.append(row)
         self.step_index = row["step"] + 1
         if self._snapshot_dir:
-            self._call(_snapshot, self._snapshot_dir)
+            self._save_snapshot()
         return row
 
     def train(self, steps: int, *, progress: bool = True):
