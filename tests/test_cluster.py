@@ -259,6 +259,17 @@ def test_a_config_for_another_grid_is_refused_with_the_fix(cluster):
         cluster.session(CFG.replace(corpus="/no/such/corpus.txt"))
 
 
+def test_a_relative_corpus_is_the_drivers_file(cluster, tmp_path, monkeypatch):
+    # The driver checked a relative corpus in its own folder; the engines opened it in theirs (here
+    # the folder the cluster started in; Slurm and MPI engines the cluster's private folder).
+    (tmp_path / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog. " * 20)
+    monkeypatch.chdir(tmp_path)
+    session = cluster.session(CFG.replace(corpus="corpus.txt"))
+    assert session.config.corpus == str(tmp_path / "corpus.txt")
+    assert session.step()["loss"] > 0
+    session.close()
+
+
 def test_a_session_resumes_a_batch_checkpoint_and_saves_every_step(cluster, tmp_path):
     # Never tested before: a session given one checkpoint's folder (a batch job's step_000003)
     # started at step 0 without a word, a mistyped folder too, and a folder that was a file or held

@@ -251,6 +251,10 @@ class Session:
                     "(Cluster(topology=config.topology))")
             raise ValueError(f"the config asks for {config.topology!r} but the cluster runs {cluster.topology!r}{hint}")
         check_corpus(config.corpus, seq_len=config.model.seq_len)      # here, not once per engine
+        if config.corpus is not None and not os.path.isabs(config.corpus):
+            # Engines work in another folder (Slurm and MPI engines in the cluster's own, local
+            # ones where the cluster started): a relative path names the driver's file.
+            config = config.replace(corpus=os.path.abspath(config.corpus))
         if save_every_step and not checkpoint_dir:
             raise ValueError("Session: save_every_step=True needs a checkpoint_dir to save into")
         if checkpoint_dir is not None:
