@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -534,6 +535,21 @@ def test_a_corpus_no_rank_can_read_fails_before_any_process_group(corpus, needle
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize("text,needle", [
+    ("[1, 2]", "TrainConfig: expected an object of field names and values, got list [1, 2]"),
+    ('{"model": [1]}', "TrainConfig.model must be a GPTConfig, got list"),
+    ('{"model": {"vocab_size": 256}, "tp": 2', "not valid JSON"),
+    (None, "cannot be read: Is a directory")])
+def test_a_config_file_that_is_no_config_is_named(text, needle, tmp_path):
+    # A JSON list was reported as "unknown key(s) [1, 2]"; a folder (or a missing file) raised
+    # IsADirectoryError (FileNotFoundError) from the command line, with a traceback.
+    path = tmp_path / "run.json"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(ValueError, match=rf"config file {path if text else tmp_path}:? .*{re.escape(needle)}"):
+        TrainConfig.from_file(str(path) if text else str(tmp_path))
+
+
 def test_a_batch_job_records_no_traces(tmp_path):
     # It recorded every collective and action of every step and wrote none of them: 75 rows and
     # about 50 KB more per rank and step for the quickstart model, for as long as the job ran.
@@ -564,6 +580,7 @@ def test_files_a_run_reads_and_writes_are_checked_before_it_starts(tmp_path):
         (["--metrics-out", str(tmp_path / "no" / "m.csv")],
          f"--metrics-out={str(tmp_path / 'no' / 'm.csv')!r}: the folder {str(tmp_path / 'no')!r} does not exist"),
         (["--metrics-out", str(tmp_path)], f"--metrics-out={str(tmp_path)!r} is a folder: give a file name"),
+        (["--config", str(tmp_path / "none.json")], f"config file {tmp_path / 'none.json'} cannot be read: No such file"),
     ]
     for flags, needle in cases:
         out = subprocess.run([sys.executable, "-m", "mlmkit.train", "--config", str(config), "--steps", "1", *flags],

@@ -9,6 +9,7 @@ published models (for the estimator and planner; nothing is allocated).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
@@ -24,7 +25,11 @@ DROP_POLICIES = ("probs", "position")
 
 
 def reject_unknown_keys(cls, data: dict) -> None:
-    """ValueError naming every key of ``data`` that is not a field of the dataclass ``cls``."""
+    """ValueError naming every key of ``data`` that is not a field of the dataclass ``cls`` (or
+    ``data`` itself when it is not a mapping of field names to values)."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{cls.__name__}: expected an object of field names and values, got "
+                         f"{type(data).__name__} {data!r:.60}")
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(data) - known)
     if unknown:

@@ -262,6 +262,9 @@ class TrainConfig:
                 data = json.load(f)
         except json.JSONDecodeError as err:
             raise ValueError(f"config file {path}: not valid JSON ({err})") from None
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"config file {path} cannot be read: {err.strerror if isinstance(err, OSError) else err}"
+                             ) from None
         try:
             return cls.from_dict(data)
         except (TypeError, ValueError) as err:
