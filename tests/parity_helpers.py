@@ -29,13 +29,18 @@ def first_step_gradients(world_size: int, cfg_dict: dict):
 # parameter (attention's output projection) used 0.72 of this bound (1.08 of the former bound, twice
 # the own error), while the same layout with the dp-cp gradient reduction left out put the median
 # parameter at 4x the bound and the worst at 9x.
+# A row-parallel layer's output is the sum of tp partial products, each rounded to bf16, so its
+# rounding noise grows about as sqrt(tp): the factor is BF16_OWN_ERROR_FACTOR * sqrt(tp / 2) for tp
+# above 2. Measured (llama, 3 steps, data seeds 0-3): the worst row-parallel weight at tp=4 sat 2.3-4.1
+# times the own error from the fp32 parameters (1.4-2.8 at tp=2), 1.36 of the unscaled bound for seed 0.
 BF16_OWN_ERROR_FACTOR = 3.0
 BF16_PARAM_RTOL = 2e-2
 
 
-def bf16_params_close(got, want, fp32_want) -> bool:
+def bf16_params_close(got, want, fp32_want, *, tp: int = 1) -> bool:
     """``got`` (a layout's bf16 parameter) against ``want`` (the serial bf16 run's), given the serial
-    fp32 run's ``fp32_want``: see :data:`BF16_OWN_ERROR_FACTOR`."""
+    fp32 run's ``fp32_want`` and the layout's tensor-parallel degree: see :data:`BF16_OWN_ERROR_FACTOR`."""
     got, want, exact = got.double(), want.double(), fp32_want.double()
     own = (want - exact).norm().item()
-    return (got - want).norm().item() <= max(BF16_PARAM_RTOL * want.norm().item(), BF16_OWN_ERROR_FACTOR * own) + 1e-12
+    factor = BF16_OWN_ERROR_FACTOR * max(1.0, (tp / 2) ** 0.5)
+    return (got - want).norm().item() <= max(BF16_PARAM_RTOL * want.norm().item(), factor * own) + 1e-12

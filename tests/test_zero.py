@@ -98,7 +98,7 @@ def test_sharded_layout_matches_serial(layout):
         got = params[name]
         if bf16:     # against bf16's own error (serial bf16 vs serial fp32), as parity_helpers explains
             fp32 = _serial(_config(cfg.model, global_batch_size=cfg.global_batch_size))
-            assert bf16_params_close(got, want, fp32["params"][name]), (layout, name)
+            assert bf16_params_close(got, want, fp32["params"][name], tp=cfg.tp), (layout, name)
         else:
             assert (got.double() - want.double()).abs().max() <= PARAM_TOL, (layout, name)
     assert ref["losses"][-1] < ref["losses"][0]
