@@ -322,6 +322,11 @@ def test_a_session_resumes_a_batch_checkpoint_and_saves_every_step(cluster, tmp_
         with pytest.raises(ValueError) as err:
             cluster.session(cfg, **kwargs)
         assert str(err.value).startswith("Session: checkpoint_dir=") and needle in str(err.value), str(err.value)
+    with pytest.raises(ValueError, match=r"save_every_step=True saves the last step into checkpoint_dir, which "
+                                         r"keep_last_step=False turns off: drop one of the two"):
+        cluster.session(CFG, checkpoint_dir=every, save_every_step=True, keep_last_step=False)   # saved nothing
+    with pytest.raises(ValueError, match=r"Session: keep_last_step='no' must be True or False"):
+        cluster.session(CFG, keep_last_step="no")
     session = cluster.session(CFG)                           # the refusals left nothing on the engines
     assert close([session.step()["loss"]], ref[:1])
     session.close()

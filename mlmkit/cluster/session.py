@@ -255,8 +255,15 @@ class Session:
             # Engines work in another folder (Slurm and MPI engines in the cluster's own, local
             # ones where the cluster started): a relative path names the driver's file.
             config = config.replace(corpus=os.path.abspath(config.corpus))
+        for name, value in (("save_every_step", save_every_step), ("keep_last_step", keep_last_step)):
+            if not isinstance(value, bool):
+                raise ValueError(f"Session: {name}={value!r} must be True or False")
         if save_every_step and not checkpoint_dir:
             raise ValueError("Session: save_every_step=True needs a checkpoint_dir to save into")
+        if save_every_step and not keep_last_step:
+            # It saved nothing: the saves every step are the kept last step, which this turns off.
+            raise ValueError("Session: save_every_step=True saves the last step into checkpoint_dir, which "
+                             "keep_last_step=False turns off: drop one of the two")
         if checkpoint_dir is not None:
             _check_checkpoint_dir(checkpoint_dir, save_every_step=save_every_step, model=config.model)
             checkpoint_dir = os.path.abspath(checkpoint_dir)    # the engines' working folder may differ
