@@ -513,7 +513,8 @@ def test_bad_train_configs_are_named(change, needle):
 
 @pytest.mark.parametrize("flags,needle", [(["--steps", "-1"], "--steps=-1 must be >= 0"),
                                           (["--save-every", "-2"], "--save-every=-2 must be >= 0"),
-                                          (["--grad-clip", "-1"], "grad_clip=-1.0 must be >= 0")])
+                                          (["--grad-clip", "-1"], "grad_clip=-1.0 must be >= 0"),
+                                          (["--save-every", "5"], "--save-every needs --save-dir")])
 def test_bad_cli_flags_fail_before_any_process_group(flags, needle):
     out = subprocess.run([sys.executable, "-m", "mlmkit.train", *flags], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and needle in out.stderr, out.stderr[-2000:]

@@ -77,6 +77,8 @@ def build_config(args) -> TrainConfig:
         value = getattr(args, field)
         if value is not None:
             overrides[field] = value
+    if args.save_every and args.save_dir is None:        # it saved nothing
+        raise SystemExit("python -m mlmkit.train: --save-every needs --save-dir (the folder to save into)")
     if args.recompute_granularity is not None and not args.recompute:
         raise SystemExit("python -m mlmkit.train: --recompute-granularity needs --recompute")
     if args.recompute:
