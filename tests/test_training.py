@@ -514,7 +514,10 @@ def test_bad_train_configs_are_named(change, needle):
 @pytest.mark.parametrize("flags,needle", [(["--steps", "-1"], "--steps=-1 must be >= 0"),
                                           (["--save-every", "-2"], "--save-every=-2 must be >= 0"),
                                           (["--grad-clip", "-1"], "grad_clip=-1.0 must be >= 0"),
-                                          (["--save-every", "5"], "--save-every needs --save-dir")])
+                                          (["--save-every", "5"], "--save-every needs --save-dir"),
+                                          (["--top-k", "4", "--moe-capacity-factor", "1"], "--top-k, "
+                                           "--moe-capacity-factor apply to a mixture of experts, and this model has "
+                                           "none: add --experts N")])
 def test_bad_cli_flags_fail_before_any_process_group(flags, needle):
     out = subprocess.run([sys.executable, "-m", "mlmkit.train", *flags], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and needle in out.stderr, out.stderr[-2000:]

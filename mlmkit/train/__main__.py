@@ -98,7 +98,12 @@ def build_config(args) -> TrainConfig:
     # A batch job writes no traces: recording them would cost time on every collective and memory
     # that grows with every step (about 50 KB per rank and step for the quickstart model).
     overrides["tracing"] = False
-    return cfg.replace(**overrides)
+    cfg = cfg.replace(**overrides)
+    given = [f"--{flag.replace('_', '-')}" for flag in ("top_k", "moe_aux_loss_coeff", "moe_capacity_factor")
+             if getattr(args, flag) is not None]
+    if given and not cfg.model.moe:                     # they changed nothing
+        raise ValueError(f"{', '.join(given)} apply to a mixture of experts, and this model has none: add --experts N")
+    return cfg
 
 
 #: The blocks ``--arch`` selects (the sizes of the config are kept).
