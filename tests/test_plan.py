@@ -389,6 +389,8 @@ def test_layouts_and_predictions_refuse_what_they_cannot_be():
     (["--model", "quickstart", "--micro-batch-size", "0"], "micro_batch_size=0 must be a positive integer"),
     (["--model", "quickstart", "--seq-len", "0"], "seq_len=0 must be a positive integer"),
     (["--model", "quickstart", "--top", "-2"], "top=-2 must be a positive integer"),
+    (["--model", "quickstart", "--top-k", "4"],          # a dense model's plan, --top-k ignored before
+     "--top-k applies to a mixture of experts, and this model has none: add --experts N"),
 ])
 def test_cli_refuses_what_local_cpu_cannot_plan_before_calibrating(flags, needle):
     # The calibration starts processes for half a minute; what it cannot change is refused first.

@@ -65,7 +65,10 @@ def _model(args) -> GPTConfig:
             raise ValueError(f"--model {args.model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a "
                              f"readable JSON file: {err}") from None
     shape = {k: getattr(args, k) for k in SHAPE if getattr(args, k) is not None}
-    return replace(model, **shape) if shape else model
+    model = replace(model, **shape) if shape else model
+    if args.top_k is not None and not model.moe:           # it changed nothing
+        raise ValueError("--top-k applies to a mixture of experts, and this model has none: add --experts N")
+    return model
 
 
 def _say_nothing_fits(best, memory: float) -> None:
