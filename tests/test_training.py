@@ -584,7 +584,8 @@ def test_files_a_run_reads_and_writes_are_checked_before_it_starts(tmp_path):
         (["--metrics-out", str(tmp_path / "no" / "m.csv")],
          f"--metrics-out={str(tmp_path / 'no' / 'm.csv')!r}: the folder {str(tmp_path / 'no')!r} does not exist"),
         (["--metrics-out", str(tmp_path)], f"--metrics-out={str(tmp_path)!r} is a folder: give a file name"),
-        (["--config", str(tmp_path / "none.json")], f"config file {tmp_path / 'none.json'} cannot be read: No such file"),
+        (["--config", str(tmp_path / "none.json")],
+         f"config file {tmp_path / 'none.json'} cannot be read: No such file"),
     ]
     for flags, needle in cases:
         out = subprocess.run([sys.executable, "-m", "mlmkit.train", "--config", str(config), "--steps", "1", *flags],

@@ -112,7 +112,8 @@ def _torch_order(source) -> list[list[str]]:
     return rows
 
 
-def from_torch(source: Union[str, os.PathLike, object], *, name: str = "torch", microbatches: Optional[int] = None) -> Schedule:
+def from_torch(source: Union[str, os.PathLike, object], *, name: str = "torch",
+               microbatches: Optional[int] = None) -> Schedule:
     """An mlmkit :class:`Schedule` from torch's CSV file (path) or a torch schedule instance.
 
     The stage-to-rank placement (torch's "loop" or "v") is read from where the stages' actions

@@ -397,7 +397,7 @@ def _load(trainer, path: str) -> int:
             p.copy_(_local_slice(master if master is not None else full, p, tp, tp_rank))
             st = {}
             for key in ("exp_avg", "exp_avg_sq", "master"):
-                f = shards.full(name, what="optimizer", key=key)
+                f = master if key == "master" else shards.full(name, what="optimizer", key=key)
                 if f is not None:
                     st[key] = _local_slice(f, p, tp, tp_rank).clone()
             if "master" not in st and full.dtype == torch.float32:
