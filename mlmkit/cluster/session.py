@@ -207,7 +207,7 @@ def _check_checkpoint_dir(path, *, save_every_step: bool, model) -> None:
     session could not use: not a folder, a checkpoint of another model, nothing to resume from
     when nothing will be saved there (a mistyped path started from step 0 before), or one
     checkpoint's own folder to save into."""
-    from mlmkit.train.checkpoint import CheckpointError, check_checkpoint
+    from mlmkit.train.checkpoint import CheckpointError, check_checkpoint, holds_checkpoint
 
     where = f"Session: checkpoint_dir={path!r}"
     if not isinstance(path, (str, os.PathLike)):
@@ -217,7 +217,7 @@ def _check_checkpoint_dir(path, *, save_every_step: bool, model) -> None:
                          f"save_every_step=True)")
     if save_every_step and os.path.exists(os.path.join(path, "metadata.json")):
         raise ValueError(f"{where} is one checkpoint's folder: to save every step, give the folder that holds it")
-    holds = os.path.exists(os.path.join(path, "latest")) or os.path.exists(os.path.join(path, "metadata.json"))
+    holds = holds_checkpoint(path)
     if holds or not save_every_step:
         try:
             check_checkpoint(os.fspath(path), model)
@@ -364,8 +364,10 @@ class Session:
     def _source(self) -> Optional[str]:
         """The newest saved state: the session's kept step, else the user's checkpoint_dir (a folder
         of checkpoints, or one checkpoint)."""
+        from mlmkit.train.checkpoint import holds_checkpoint
+
         for d in (self._snapshot_dir, self.checkpoint_dir):
-            if d and (os.path.exists(os.path.join(d, "latest")) or os.path.exists(os.path.join(d, "metadata.json"))):
+            if d and holds_checkpoint(d):
                 return d
         return None
 

@@ -53,8 +53,8 @@ import torch
 from mlmkit.tensor_parallel.layers import shard_full, unshard
 from mlmkit.train.config import TrainConfig
 
-__all__ = ["CheckpointError", "check_checkpoint", "export_state_dict", "latest_checkpoint", "load_checkpoint",
-           "save_checkpoint"]
+__all__ = ["CheckpointError", "check_checkpoint", "export_state_dict", "holds_checkpoint", "latest_checkpoint",
+           "load_checkpoint", "save_checkpoint"]
 
 FORMAT = "mlmkit-checkpoint-2"
 _FORMATS = ("mlmkit-checkpoint-1", FORMAT)   # version 1: sizes only, no checksums
@@ -193,6 +193,12 @@ def _checkpoint_folders(directory: str) -> list[str]:
             except ValueError:
                 continue
     return [e for *_, e in sorted(out)]
+
+
+def holds_checkpoint(directory: str) -> bool:
+    """``directory`` is a checkpoint folder or a folder of them (a ``latest`` pointer), complete or
+    not: what :func:`latest_checkpoint` would try to read."""
+    return os.path.exists(os.path.join(directory, "metadata.json")) or os.path.exists(os.path.join(directory, "latest"))
 
 
 def latest_checkpoint(directory: str) -> str:
