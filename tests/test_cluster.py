@@ -94,6 +94,86 @@ def test_engines_freeze_their_imports_for_the_cycle_collector(cluster):
     assert all(f["frozen"] > 100_000 for f in facts.values()), facts
 
 
+def _shift_boot_time(state, seconds):
+    # What a slewed or stepped wall clock looks like to psutil on Linux: the boot time it adds to a
+    # process's start ticks is the wall clock minus the uptime, in whole seconds.
+    import psutil._pslinux as pslinux
+
+    if seconds:
+        state.data["boot_time"] = pslinux.boot_time
+        shifted = state.data["boot_time"]
+        pslinux.boot_time = lambda: shifted() + seconds
+    else:
+        pslinux.boot_time = state.data.pop("boot_time")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="Linux's clock-tick start times")
+def test_engines_outlive_a_wall_clock_that_moves(cluster):
+    # Each engine's watchdog stops it when the driver is gone, and knows the driver by when it
+    # started. That was psutil's create_time(), which moves with the wall clock on Linux: a clock
+    # slewed by a second (CI saw it: "Engine 0 died" while a notebook started its cluster) made a
+    # live driver look dead, and the engine exited without a word.
+    pids = [inf["pid"] for inf in cluster.info]
+    cluster.run(_shift_boot_time, 1)
+    try:
+        time.sleep(2.5)                     # the watchdog looks every second
+        assert alive(pids) == pids
+        assert cluster.run(_world_sum_of_ones) == {r: 4.0 for r in range(4)}
+    finally:
+        if alive(pids) == pids:
+            cluster.run(_shift_boot_time, 0)
+    assert [inf["pid"] for inf in cluster.info] == pids       # not replaced
+
+
+_REAPER = """
+import sys
+import psutil._pslinux as pslinux
+boot_time = pslinux.boot_time
+pslinux.boot_time = lambda: boot_time() + 1      # the wall clock moved since the driver's token
+from mlmkit.cluster.reaper import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="Linux's clock-tick start times")
+@pytest.mark.parametrize("driver", ["alive", "gone"])
+def test_the_watchdog_process_knows_its_driver_by_its_start(tmp_path, driver):
+    # The watchdog that stops a cluster whose kernel died: a live driver (seen through a moved
+    # clock) keeps the cluster; a gone one (its pid's token names another process) does not.
+    import subprocess
+    import sys
+
+    from mlmkit.cluster.reaper import start_token, write_pids
+
+    victim = subprocess.Popen(["sleep", "60"])
+    folder = tmp_path / "private"
+    folder.mkdir()
+    pids_file = str(folder / "pids")
+    write_pids(pids_file, [victim.pid])
+    if driver == "alive":
+        token = start_token(os.getpid())
+    else:
+        gone = subprocess.Popen(["true"])
+        token = start_token(gone.pid)
+        gone.wait()
+        assert start_token(gone.pid) is None
+        assert token != start_token(os.getpid())
+    reaper = subprocess.Popen([sys.executable, "-c", _REAPER, str(os.getpid()), token, pids_file, str(folder)])
+    try:
+        time.sleep(3.0)
+        if driver == "alive":
+            assert victim.poll() is None and reaper.poll() is None and folder.exists()
+            os.remove(pids_file)                  # what a normal shutdown does: the watchdog leaves
+            assert reaper.wait(timeout=10) == 0 and victim.poll() is None
+        else:
+            assert victim.wait(timeout=10) == -9 and reaper.wait(timeout=10) == 0 and not folder.exists()
+    finally:
+        victim.kill()
+        reaper.kill()
+        victim.wait()
+        reaper.wait()
+
+
 @pytest.mark.parametrize("batch_p2p", [False, True], ids=["tagged", "batched"])
 def test_stepping_action_by_action_equals_whole_steps(cluster, batch_p2p):
     # Batched: the lockstep rounds of the batch plan (a batch and its peers' counterparts together).

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from mlmkit.cluster import engine as remote
-from mlmkit.cluster.reaper import write_pids
+from mlmkit.cluster.reaper import start_token, write_pids
 from mlmkit.topology import Topology
 
 __all__ = ["Cluster", "EngineDied", "RankError", "RankTimeout", "alive", "max_local_engines"]
@@ -378,12 +378,9 @@ class Cluster:
         import subprocess
         import sys
 
-        import psutil
-
         write_pids(self._pids_file(), self.pids())
-        me = psutil.Process()
         self._reaper = subprocess.Popen(
-            [sys.executable, "-m", "mlmkit.cluster.reaper", str(me.pid), repr(me.create_time()), self._pids_file(),
+            [sys.executable, "-m", "mlmkit.cluster.reaper", str(os.getpid()), start_token(os.getpid()), self._pids_file(),
              self._profile_dir], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True)
 
@@ -432,8 +429,6 @@ class Cluster:
         return os.path.join(self._profile_dir, "stacks", f"rank{rank}.txt")
 
     def _setup_ranks(self, ranks) -> None:
-        import psutil
-
         hosts = [inf["host"] for inf in self.info]
         per_host = Counter(hosts)
         seen: Counter = Counter()
@@ -447,7 +442,6 @@ class Cluster:
         # Engines import what the driver can: functions of the notebook's own modules (and of test
         # files) are shipped by reference and must resolve there too.
         paths = [p for p in sys.path if p and os.path.isdir(p)]
-        me = psutil.Process()
         for r in ranks:
             v = self.client[self.engine_ids[r]]
             v.execute(f"import sys as _sys; _sys.path[:0] = [p for p in {paths!r} if p not in _sys.path]; "
@@ -459,7 +453,7 @@ class Cluster:
             results[r] = v.apply_async(
                 _setup_remote, _ref(), rank=r, world_size=self.world_size, topology=self.topology,
                 local_rank=local[r], threads=threads, backend=self.backend, timeout_s=self.collective_timeout_s,
-                driver_pid=me.pid if watch else None, driver_ctime=me.create_time() if watch else None,
+                driver_pid=os.getpid() if watch else None, driver_token=start_token(os.getpid()) if watch else None,
                 stack_file=self._stack_file(r))
         # Starting an engine (torch's import, the rank's setup) is bounded by the start timeout, not by
         # the per-call bound: a cluster with timeout_s=8 for fast failure reports must still start on

@@ -82,7 +82,7 @@ class EngineState:
     # ---------------------------------------------------------------- setup
     def setup(self, *, rank: int, world_size: int, topology, local_rank: int, threads: int,
               backend: Optional[str], timeout_s: float, driver_pid: Optional[int],
-              driver_ctime: Optional[float] = None, stack_file: Optional[str] = None) -> dict:
+              driver_token: Optional[str] = None, stack_file: Optional[str] = None) -> dict:
         import torch
 
         from mlmkit.distributed import default_backend, default_device
@@ -99,7 +99,7 @@ class EngineState:
             torch.set_num_threads(max(1, threads))
             keep_freed_memory()
         if driver_pid and self._watchdog is None:
-            self._watchdog = threading.Thread(target=_watch_driver, args=(driver_pid, driver_ctime), daemon=True)
+            self._watchdog = threading.Thread(target=_watch_driver, args=(driver_pid, driver_token), daemon=True)
             self._watchdog.start()
         if stack_file:
             # Append mode: the driver truncates the file before asking for a fresh dump.
@@ -154,14 +154,14 @@ class EngineState:
         return f"EngineState(rank={self.rank}, device={self.device}, sessions={sorted(self.trainers)})"
 
 
-def _watch_driver(pid: int, create_time: Optional[float]) -> None:
+def _watch_driver(pid: int, token: Optional[str]) -> None:
     # An engine whose notebook kernel was killed abruptly exits by itself (no orphans). A killed
     # kernel that its parent has not reaped yet is a zombie: dead, although its pid exists.
     from mlmkit.cluster.reaper import process_alive
 
     while True:
         time.sleep(1.0)
-        if not process_alive(pid, create_time):
+        if not process_alive(pid, token):
             os._exit(0)
 
 

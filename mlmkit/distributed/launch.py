@@ -92,13 +92,15 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kw
                 result = fn(rank, world_size, *args, **kwargs)
             except BaseException:  # noqa: BLE001 - everything is reported to the parent
                 # Report before tearing the group down: the teardown makes peers fail too, and the
-                # parent must hear the cause first (it also orders failures by time).
-                results.put((rank, "error", (time.time(), traceback.format_exc())))
+                # parent must hear the cause first (it also orders failures by time, read from the
+                # monotonic clock: one for all processes of the machine, and a wall-clock step does
+                # not reorder them).
+                results.put((rank, "error", (time.monotonic(), traceback.format_exc())))
                 return
             dist.destroy_process_group()
             results.put((rank, "ok", pickle.dumps(result)))
         except BaseException:  # noqa: BLE001
-            results.put((rank, "error", (time.time(), traceback.format_exc())))
+            results.put((rank, "error", (time.monotonic(), traceback.format_exc())))
 
 
 _CTX = None
