@@ -187,6 +187,57 @@ def test_a_lone_rank_sends_nothing_and_says_so():
     assert two.measured.isna().all()
 
 
+def _two_steps_apart(rank, world_size, config_dict):
+    import time
+
+    from mlmkit.distributed import ProcessGroups
+    from mlmkit.train.trainer import Trainer
+
+    torch.set_num_threads(1)
+    cfg = TrainConfig.from_dict(config_dict)
+    trainer = Trainer(cfg, groups=ProcessGroups.build(cfg.topology))
+    trainer.train_step()
+    trainer.clear_traces()
+    trainer.train_step()
+    one = trainer.traces()
+    time.sleep(0.5)                         # a notebook user between two cells
+    trainer.train_step()
+    return one, trainer.traces()
+
+
+def test_a_trace_of_two_steps_reads_as_steps_not_as_one_long_one(tmp_path):
+    # Measured on real ranks: the trace kept over two steps (0.5 s apart) has each row's step; its
+    # bubble is the steps' bubbles (the wait between them counted as bubble made the share near 100%),
+    # and its bytes per step compare with the estimate of one step (they were reported as twice it).
+    from mlmkit.pipeline import make_schedule, replay
+    from mlmkit.viz import bubble_table
+
+    cfg = TrainConfig(model=MODEL, tp=2, pp=2, micro_batch_size=2, global_batch_size=8)
+    runs = run_ranks(_two_steps_apart, world_size=4, args=(cfg.to_dict(),), timeout_s=300)
+    one = merge_traces(r[0] for r in runs)
+    two = merge_traces(r[1] for r in runs)
+    assert set(one["events"].step) == set(one["comm"].step) == {1}
+    assert set(two["events"].step) == set(two["comm"].step) == {1, 2}
+    last = two["events"][two["events"].step == 2]
+    first = bubble_table(one["events"]).idle + bubble_table(last).idle
+    assert bubble_table(two["events"]).idle.to_dict() == pytest.approx(first.to_dict(), abs=1e-9)
+    assert bubble_table(two["events"]).idle.max() < 0.5
+    est = estimate_train_comm(cfg)
+    for traces in (one, two):
+        table = compare_comm(traces["comm"], est)
+        assert (table.measured == table.estimated).all(), table
+    with pytest.raises(ValueError, match=r"steps=1 but the trace holds 2 steps"):
+        compare_comm(two["comm"], est, steps=1)
+    schedule = make_schedule("1f1b", stages=2, microbatches=4)
+    pipeline = cfg.topology.groups("pp")[0]
+    with pytest.raises(ValueError, match=r"the timeline holds 2 steps \(1..2\): pass one, e.g. events\[events.step == 2\]"):
+        replay(two["events"], schedule, ranks=pipeline)
+    assert replay(last, schedule, ranks=pipeline).step_time > 0
+    chrome = json.load(open(to_chrome_trace(two, str(tmp_path / "two.json"))))
+    events = chrome["traceEvents"] if isinstance(chrome, dict) else chrome
+    assert {e["args"]["step"] for e in events if e.get("ph") == "X" and e.get("cat") != "ring"} == {1, 2}
+
+
 def test_megatron_bytes_per_parameter():
     assert bytes_per_parameter(precision="bf16") == 18
     for d in (2, 4, 8, 64):

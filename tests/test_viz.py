@@ -123,6 +123,30 @@ def test_timeline_blocks_and_bubble_share(name, chunks):
     assert bubble_table(res.timeline).bubble.to_dict() == pytest.approx(res.bubble_per_rank)
 
 
+def test_a_trace_of_several_steps_has_bubbles_inside_each_step_only():
+    # A session's trace kept over two steps, with 100 s between them (a user between two cells):
+    # that wait is no pipeline bubble. Each step reads as the step alone; frames without a step
+    # column (a simulation) are one step, as before.
+    one = simulate(make_schedule("1f1b", stages=4, microbatches=8), {"forward": 1.0, "backward": 2.0}).timeline
+    later = one.assign(start=one.start + one.end.max() + 100.0, end=one.end + one.end.max() + 100.0)
+    two = pd.concat([one.assign(step=0), later.assign(step=1)], ignore_index=True)
+    single = bubble_table(one)
+    both = bubble_table(two)
+    assert both.busy.to_dict() == pytest.approx((2 * single.busy).to_dict())
+    assert both.idle.to_dict() == pytest.approx((2 * single.idle).to_dict())
+    assert both.bubble.to_dict() == pytest.approx(single.bubble.to_dict())
+    fig = timeline_figure(two)
+    bubble = next(t for t in fig.data if t.name == "bubble")
+    shaded = pd.Series(list(bubble.x)).groupby(list(bubble.y)).sum()
+    assert shaded.to_dict() == pytest.approx((2 * single.idle).to_dict())
+    assert max(b + x for b, x in zip(bubble.base, bubble.x)) == pytest.approx(two.end.max() - two.start.min())
+    assert all(not (one.end.max() < b < later.start.min()) for b in bubble.base)   # nothing in the gap
+    assert f"bubble {single.idle.sum() / (single.busy.sum() + single.idle.sum()):.1%}, 2 steps" in fig.layout.title.text
+    # A step in which a rank ran nothing is idle for that rank throughout.
+    lonely = pd.concat([two, one.iloc[:1].assign(rank=9, step=0)], ignore_index=True)
+    assert bubble_table(lonely).loc[9, "idle"] == pytest.approx(2 * one.end.max() - 1.0)
+
+
 def test_timeline_comparison_has_both_panels():
     s = make_schedule("1f1b", stages=2, microbatches=4)
     sim = simulate(s, {"forward": 0.01, "backward": 0.02}).timeline
@@ -174,6 +198,20 @@ def test_comm_figures():
     by_axis = comm_by_axis_figure(comm)
     assert {t.name for t in by_axis.data} == {"tp", "pp"}
     assert len(comm_timeline_figure(comm).data) == 2
+
+
+def test_comm_by_axis_shows_one_step_of_a_trace_of_several():
+    # The estimate is one step's bytes: a trace of three steps is drawn as its mean step (the bars
+    # were three times the estimate's markers); the heatmap's totals say how many steps they hold.
+    comm = _comm_frame()
+    three = pd.concat([comm.assign(step=k) for k in range(3)], ignore_index=True)
+    estimate = pd.DataFrame({"tp": [400, 400, 0], "pp": [128, 0, 0]}, index=pd.Index([0, 1, 2], name="rank"))
+    for frame, title in ((comm, "by axis"), (three, "by axis (mean of 3 steps)")):
+        fig = comm_by_axis_figure(frame, estimate=estimate)
+        bars = {t.name: list(t.y) for t in fig.data if t.name in ("tp", "pp")}
+        assert bars["tp"] == pytest.approx([400 / 2**20, 400 / 2**20, 0]) and bars["pp"][0] == pytest.approx(128 / 2**20)
+        assert fig.layout.title.text.endswith(title)
+    assert comm_heatmap(three).layout.title.text == "Bytes sent between ranks in 3 steps"
 
 
 def test_topology_figure_colours_groups():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 __all__ = ["compare_comm", "compare_memory", "measured_comm", "measured_memory"]
 
 MEMORY_KINDS = ("parameters", "gradients", "optimizer", "activations")
@@ -16,8 +18,22 @@ def measured_memory(memory):
     return out
 
 
-def measured_comm(comm, *, steps: int = 1):
-    """Wire bytes per rank and axis, per step (``steps``: how many steps the frame holds)."""
+def _step_count(comm, steps: Optional[int]) -> int:
+    held = comm["step"].nunique() if "step" in comm.columns and len(comm) else None
+    if steps is None:
+        return held or 1
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps={steps!r} must be a whole number of steps >= 1 (or None: counted from the trace)")
+    if held is not None and held != steps:
+        raise ValueError(f"steps={steps} but the trace holds {held} steps (its 'step' column): leave steps out "
+                         f"(it is counted from the trace), or clear the traces before the step to compare")
+    return steps
+
+
+def measured_comm(comm, *, steps: Optional[int] = None):
+    """Wire bytes per rank and axis, per step: the mean of the steps the trace holds (its ``step``
+    column; ``steps``: how many, for a frame without that column)."""
+    steps = _step_count(comm, steps)
     table = comm.pivot_table(index="rank", columns="axis", values="wire_bytes", aggfunc="sum", fill_value=0)
     for axis in AXES:
         if axis not in table:
@@ -43,7 +59,7 @@ def compare_memory(memory, estimated):
     return _long(measured_memory(memory), estimated, MEMORY_KINDS)
 
 
-def compare_comm(comm, estimated, *, steps: int = 1):
+def compare_comm(comm, estimated, *, steps: Optional[int] = None):
     """Long table (rank, kind=axis, measured, estimated, ratio) from a comm trace and estimate_comm().
     A rank without any traced message is ``NaN`` (not traced), except the only rank of a
     one-process run, which has nobody to talk to (0 bytes)."""

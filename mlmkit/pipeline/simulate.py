@@ -184,6 +184,10 @@ def replay(timeline, schedule: Schedule, *, ranks: Optional[Sequence[int]] = Non
     (unequal stages, actions slowed down while other ranks compute); the measured bubble beyond it
     is waiting for messages and for cores."""
     timeline = _pipeline_rows(timeline, schedule, ranks, "replay")
+    steps = sorted(timeline["step"].unique()) if "step" in timeline.columns else []
+    if len(steps) > 1:
+        raise ValueError(f"replay: the timeline holds {len(steps)} steps ({steps[0]}..{steps[-1]}): pass one, "
+                         f"e.g. events[events.step == {steps[-1]}]")
     times: dict[tuple, float] = {}
     for r, kind, mb, chunk, start, end in zip(timeline["rank"], timeline["action"], timeline["microbatch"],
                                              timeline["chunk"], timeline["start"], timeline["end"]):

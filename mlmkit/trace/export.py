@@ -42,13 +42,15 @@ def to_chrome_trace(traces: dict, path: str) -> str:
         events.append({"name": f"{row.action}{row.microbatch}" + (f".{row.chunk}" if row.chunk else ""),
                        "cat": row.action, "ph": "X", "pid": int(row.rank), "tid": 0, "ts": us(row.start),
                        "dur": max(0.0, us(row.end) - us(row.start)),
-                       "args": {"microbatch": int(row.microbatch), "chunk": int(row.chunk)}})
+                       "args": {"microbatch": int(row.microbatch), "chunk": int(row.chunk),
+                                **({"step": int(row.step)} if hasattr(row, "step") else {})}})
     for row in traces["comm"].itertuples(index=False):
         ranks.add(int(row.rank))
         events.append({"name": f"{row.op} {row.axis}", "cat": "comm", "ph": "X", "pid": int(row.rank), "tid": 1,
                        "ts": us(row.start), "dur": max(0.0, us(row.end) - us(row.start)),
                        "args": {"bytes": int(row.bytes), "wire_bytes": int(row.wire_bytes), "site": row.site,
-                                "ranks": list(row.ranks), "phase": row.phase}})
+                                "ranks": list(row.ranks), "phase": row.phase,
+                                **({"step": int(row.step)} if hasattr(row, "step") else {})}})
     ring = traces.get("ring")
     if ring is not None and len(ring):
         for row in ring.itertuples(index=False):

@@ -10,12 +10,13 @@ __all__ = ["COMM_COLUMNS", "EVENT_COLUMNS", "MOE_COLUMNS", "RING_COLUMNS", "Trac
 
 #: Columns of :meth:`Tracer.comm_frame`. ``bytes`` is the size of the logical tensor the operation
 #: is about (the all-reduced tensor, the gathered output, the reduce-scattered input, the message);
-#: ``wire_bytes`` is what this rank sends with a ring algorithm (see :func:`ring_wire_bytes`).
+#: ``wire_bytes`` is what this rank sends with a ring algorithm (see :func:`ring_wire_bytes`);
+#: ``step``: the optimizer step the row belongs to (:attr:`Tracer.step`).
 COMM_COLUMNS = (
-    "rank", "op", "axis", "ranks", "bytes", "wire_bytes", "start", "end", "site", "phase",
+    "rank", "op", "axis", "ranks", "bytes", "wire_bytes", "start", "end", "site", "phase", "step",
 )
-#: Columns of :meth:`Tracer.event_frame` (schedule actions).
-EVENT_COLUMNS = ("rank", "action", "microbatch", "chunk", "start", "end")
+#: Columns of :meth:`Tracer.event_frame` (schedule actions), with the optimizer step of each.
+EVENT_COLUMNS = ("rank", "action", "microbatch", "chunk", "start", "end", "step")
 #: Columns of :meth:`Tracer.ring_frame`: one row per ring-attention step (context parallelism):
 #: the layer's site, forward or backward, the step, the cp rank whose keys/values were used
 #: (``src``, an index in the cp group), the (query, key) pairs computed, and the compute time.
@@ -48,13 +49,19 @@ def ring_wire_bytes(op: str, nbytes: int, group_size: int) -> int:
 
 
 class Tracer:
-    """Collects this rank's rows. ``enabled=False`` makes every ``record_*`` a no-op."""
+    """Collects this rank's rows. ``enabled=False`` makes every ``record_*`` a no-op.
+
+    Schedule actions and communication are tagged with :attr:`step`, the optimizer step the trainer
+    is in (it sets it when a step begins): a trace kept over several steps is read per step (the
+    time between steps, the driver's or the user's, is no pipeline bubble).
+    """
 
     def __init__(self, *, rank: int, enabled: bool = True, clock: Callable[[], float] = time.perf_counter):
         self.rank = rank
         self.enabled = enabled
         self.clock = clock
         self.phase = ""  # free label written into comm rows (e.g. "forward"/"backward")
+        self.step = 0    # the optimizer step written into event and comm rows
         self.comm: list[tuple] = []
         self.events: list[tuple] = []
         self.ring: list[tuple] = []
@@ -65,11 +72,11 @@ class Tracer:
                     wire_bytes: int, start: float, end: float, site: str, phase: str = "") -> None:
         if self.enabled:
             self.comm.append((self.rank, op, axis, ranks, nbytes, wire_bytes, start, end, site,
-                              phase or self.phase))
+                              phase or self.phase, self.step))
 
     def record_event(self, *, action: str, microbatch: int, chunk: int, start: float, end: float) -> None:
         if self.enabled:
-            self.events.append((self.rank, action, microbatch, chunk, start, end))
+            self.events.append((self.rank, action, microbatch, chunk, start, end, self.step))
 
     def record_ring(self, *, site: str, phase: str, step: int, src: int, pairs: int, start: float,
                     end: float) -> None:

@@ -114,6 +114,7 @@ class Trainer:
         # step run again draws the dropout masks an uninterrupted run draws.
         self._rng_at_begin = ([model.rng.get_state() for model in self.chunks], torch.get_rng_state())
         self.optimizer.zero_grad()
+        self.tracer.step = self.step           # this step's rows are told apart from the others'
         self._t0 = time.perf_counter()
         self.executor.start_step(tokens[lo:lo + n], targets[lo:lo + n], loss_scale=scale)
 

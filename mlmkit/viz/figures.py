@@ -120,15 +120,38 @@ def topology_figure(frame: pd.DataFrame, *, color_by: str = "pp") -> go.Figure:
 
 
 # ------------------------------------------------------------------------------------------ timelines
+def _steps(frame: pd.DataFrame) -> list:
+    """The optimizer steps a trace holds (its ``step`` column); one unnamed step without one (a
+    simulated timeline)."""
+    return sorted(frame["step"].unique()) if "step" in frame.columns and len(frame) else [None]
+
+
+def _step_spans(timeline: pd.DataFrame) -> list[tuple[pd.DataFrame, float, float]]:
+    """Each step's rows with the step's span: its earliest start to its latest end on any rank."""
+    out = []
+    for step in _steps(timeline):
+        part = timeline if step is None else timeline[timeline["step"] == step]
+        out.append((part, part.start.min(), part.end.max()))
+    return out
+
+
 def bubble_table(timeline: pd.DataFrame) -> pd.DataFrame:
     """Per rank: busy time, idle (bubble) time and bubble share of the step, from a timeline
-    (columns rank, start, end). The step spans the earliest start to the latest end of any rank."""
+    (columns rank, start, end). A step spans the earliest start to the latest end of any rank.
+
+    A trace of several steps (its ``step`` column, as :meth:`Trainer.traces` writes it) is read
+    step by step: ``busy`` and ``idle`` are sums over the steps, and the time between one step's
+    end and the next one's start (the optimizer, the driver, a user between two cells) is no bubble.
+    """
     require_columns(timeline, TIMELINE, what="bubble_table")
-    t0, t1 = timeline.start.min(), timeline.end.max()
-    step = t1 - t0
-    busy = (timeline.end - timeline.start).groupby(timeline["rank"]).sum()
-    out = pd.DataFrame({"busy": busy, "idle": step - busy})
-    out["bubble"] = out.idle / step if step > 0 else 0.0
+    ranks = sorted(timeline["rank"].unique())
+    busy = pd.Series(0.0, index=ranks)
+    span = 0.0
+    for part, t0, t1 in _step_spans(timeline):
+        span += t1 - t0
+        busy = busy.add((part.end - part.start).groupby(part["rank"]).sum(), fill_value=0.0)
+    out = pd.DataFrame({"busy": busy, "idle": span - busy})
+    out["bubble"] = out.idle / span if span > 0 else 0.0
     out.index.name = "rank"
     return out
 
@@ -173,7 +196,6 @@ def _timeline_traces(timeline: pd.DataFrame, *, row_offset: float = 0.0, name_su
     interleaved or V schedule's model chunks can be told apart; large timelines are merged."""
     tl = timeline.copy()
     t0 = tl.start.min() if t0 is None else t0
-    t1 = tl.end.max()
     traces = []
     if len(tl) > MAX_LABELLED_BLOCKS:
         merged = _merge_contiguous(tl)
@@ -197,11 +219,12 @@ def _timeline_traces(timeline: pd.DataFrame, *, row_offset: float = 0.0, name_su
             customdata=part[["microbatch", "chunk"]].values,
             hovertemplate=f"{kind} mb %{{customdata[0]}} chunk %{{customdata[1]}}<br>%{{base:.4g}} + %{{x:.4g}}<extra></extra>"))
     gaps_y, gaps_x, gaps_base = [], [], []
-    for r, part in tl.groupby("rank"):
-        for a, b in _idle_intervals(part, t0, t1):
-            gaps_y.append(r + row_offset)
-            gaps_x.append(b - a)
-            gaps_base.append(a - t0)
+    for step_rows, s0, s1 in _step_spans(tl):      # bubbles inside each step, none between steps
+        for r in sorted(tl["rank"].unique()):
+            for a, b in _idle_intervals(step_rows[step_rows["rank"] == r], s0, s1):
+                gaps_y.append(r + row_offset)
+                gaps_x.append(b - a)
+                gaps_base.append(a - t0)
     traces.append(go.Bar(y=gaps_y, x=gaps_x, base=gaps_base, orientation="h", name="bubble" + name_suffix,
                          marker=dict(color=BUBBLE_COLOR), showlegend=showlegend, legendgroup="bubble",
                          hovertemplate="idle %{x:.4g}<extra></extra>"))
@@ -213,14 +236,17 @@ def timeline_figure(timeline: pd.DataFrame, *, title: str = "Pipeline timeline",
     idle time shaded as bubble, each rank's bubble share in its row label.
 
     ``timeline``: columns rank, action, microbatch, chunk, start, end (a simulation's
-    ``SimResult.timeline`` or a measured trace's ``events``).
+    ``SimResult.timeline`` or a measured trace's ``events``). A trace of several steps shows them
+    all, with bubbles inside each step only (see :func:`bubble_table`).
     """
     require_columns(timeline, ACTIONS, what="timeline_figure")
     bubbles = bubble_table(timeline)
     fig = go.Figure(_timeline_traces(timeline))
     ranks = sorted(timeline["rank"].unique())
+    steps = _steps(timeline)
+    over = f", {len(steps)} steps" if len(steps) > 1 else ""
     fig.update_layout(
-        title=f"{title} (bubble {bubbles.idle.sum() / (bubbles.busy.sum() + bubbles.idle.sum()):.1%})",
+        title=f"{title} (bubble {bubbles.idle.sum() / (bubbles.busy.sum() + bubbles.idle.sum()):.1%}{over})",
         barmode="overlay", height=170 + 50 * len(ranks), plot_bgcolor="white", bargap=0.15,
         xaxis=dict(title=f"time{f' ({unit})' if unit else ''}", showgrid=True, gridcolor="#eee"),
         yaxis=dict(autorange="reversed", tickvals=ranks,
@@ -356,24 +382,33 @@ def comm_heatmap(comm: pd.DataFrame) -> go.Figure:
     """Rank-by-rank heatmap of wire bytes (see :func:`comm_matrix`)."""
     require_columns(comm, COMM, what="comm_heatmap")
     mat = comm_matrix(comm)
+    steps = _steps(comm)
     fig = go.Figure(go.Heatmap(z=mat.values / 2**20, x=[f"to {c}" for c in mat.columns], y=[f"from {r}" for r in mat.index],
                                colorscale="Blues", colorbar=dict(title="MiB"),
                                hovertemplate="%{y} %{x}: %{z:.3f} MiB<extra></extra>"))
-    fig.update_layout(title="Bytes sent between ranks", yaxis=dict(autorange="reversed"), height=160 + 40 * len(mat))
+    over = f" in {len(steps)} steps" if len(steps) > 1 else ""
+    fig.update_layout(title=f"Bytes sent between ranks{over}", yaxis=dict(autorange="reversed"), height=160 + 40 * len(mat))
     return fig
 
 
 def comm_by_axis_figure(comm: pd.DataFrame, *, estimate: Optional[pd.DataFrame] = None) -> go.Figure:
-    """Wire bytes per rank, stacked by axis (tp, cp, pp, dp, embedding, world); estimator totals as markers."""
+    """Wire bytes per rank and step, stacked by axis (tp, cp, pp, dp, embedding, world); the
+    estimator's bytes per step (:func:`mlmkit.estimate.estimate_comm`) as markers.
+
+    A trace of several steps (its ``step`` column) shows the mean step, so that it compares with the
+    estimate of one step."""
     require_columns(comm, COMM, what="comm_by_axis_figure")
+    steps = _steps(comm)
     table = comm.pivot_table(index="rank", columns="axis", values="wire_bytes", aggfunc="sum", fill_value=0)
+    table = table / len(steps)
     fig = go.Figure()
     for axis in [a for a in AXIS_COLORS if a in table]:
         fig.add_trace(go.Bar(x=table.index, y=table[axis] / 2**20, name=axis, marker_color=AXIS_COLORS[axis]))
     if estimate is not None:
         fig.add_trace(go.Scatter(x=estimate.index, y=estimate.sum(axis=1) / 2**20, mode="markers", name="estimate",
                                  marker=dict(symbol="line-ew-open", size=28, color="black", line=dict(width=2))))
-    fig.update_layout(title="Bytes sent per rank, by axis", barmode="stack", xaxis=dict(title="rank", dtick=1),
+    over = f" (mean of {len(steps)} steps)" if len(steps) > 1 else ""
+    fig.update_layout(title=f"Bytes sent per rank and step, by axis{over}", barmode="stack", xaxis=dict(title="rank", dtick=1),
                       yaxis=dict(title="MiB"), plot_bgcolor="white")
     return fig
 
