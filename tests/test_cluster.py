@@ -222,6 +222,31 @@ def test_stepping_a_v_schedule_at_four_stages_equals_whole_steps():
             assert losses == reference, batch_p2p
 
 
+def test_sessions_on_one_cluster_each_keep_their_own_traces(cluster, tmp_path):
+    # The engines' process groups serve every session. Each session's trainer took the groups'
+    # tracer, which the first session had set: after a session with tracing=False, no later session
+    # recorded anything, and sessions with tracing on wrote their rows into each other's traces.
+    quiet = cluster.session(CFG.replace(tracing=False), checkpoint_dir=str(tmp_path / "quiet"), save_every_step=True)
+    loud = cluster.session(CFG)
+    other = cluster.session(CFG)
+    try:
+        loud.step()
+        mine = loud.traces()
+        assert len(mine["events"]) and len(mine["comm"]) and set(mine["events"].step) == {0}
+        quiet.step()                              # and its checkpoint's collectives
+        other.step()
+        other.step()
+        assert len(quiet.traces()["events"]) == len(quiet.traces()["comm"]) == 0
+        after = loud.traces()
+        assert len(after["events"]) == len(mine["events"]) and len(after["comm"]) == len(mine["comm"])
+        theirs = other.traces()
+        assert len(theirs["events"]) == 2 * len(mine["events"]) and len(theirs["comm"]) == 2 * len(mine["comm"])
+        assert set(theirs["events"].step) == {0, 1}
+    finally:
+        for s in (quiet, loud, other):
+            s.close()
+
+
 def _raise_while_peers_wait(r):
     if r.rank == 3:
         time.sleep(0.3)

@@ -43,7 +43,10 @@ class Trainer:
     Args:
         config: the run (validated).
         groups: this rank's process groups (their topology must equal ``config.topology``).
-        tracer: records actions and collectives (default: the groups' tracer).
+        tracer: records actions and collectives (default: a new one of its own, on if
+            ``config.tracing``). Several trainers may share one set of process groups (sessions
+            on the same engines): each keeps its own tracer, and a trainer routes the groups'
+            collectives to its tracer whenever it begins a step (:meth:`claim_groups`).
     """
 
     def __init__(self, config: TrainConfig, *, groups: ProcessGroups, tracer=None):
@@ -53,8 +56,10 @@ class Trainer:
             raise ValueError(f"process groups are built for {groups.topology!r} but the config asks for "
                              f"{config.topology!r}")
         self.config, self.groups = config, groups
-        self.tracer = tracer or groups.world.tracer or Tracer(rank=groups.rank, enabled=config.tracing)
-        groups.set_tracer(self.tracer)
+        # Not the groups' tracer: another trainer on these groups (an earlier session with
+        # tracing=False) would decide whether this one records, and its rows would mix with ours.
+        self.tracer = tracer if tracer is not None else Tracer(rank=groups.rank, enabled=config.tracing)
+        self.claim_groups()
         torch.manual_seed(config.seed)
         self.schedule = make_schedule(config.schedule, stages=config.pp, microbatches=config.microbatches,
                                       chunks=config.chunks, layers=config.model.layers,
@@ -98,9 +103,15 @@ class Trainer:
         return lr_at(self.step if step is None else step, lr=c.lr, min_lr=c.min_lr,
                      warmup_steps=c.warmup_steps, max_steps=c.max_steps)
 
+    def claim_groups(self) -> None:
+        """Route the collectives of this trainer's process groups to its tracer (they may serve
+        several trainers, one stepping at a time)."""
+        self.groups.set_tracer(self.tracer)
+
     def begin_step(self) -> None:
         """Load this step's batch into the executor; then call ``executor.step_action()`` repeatedly."""
         c = self.config
+        self.claim_groups()
         tokens, targets = self.data.batch(self.step, c.global_batch_size)      # the global batch
         # Per-token loss: every replica divides its summed token losses by the tokens of the whole
         # global batch (times dp x cp, since the dp-cp gradient reduction averages; each cp rank
