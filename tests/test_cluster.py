@@ -444,20 +444,33 @@ def test_reset_half_way_then_the_step_equals_an_uninterrupted_one(cluster, dropo
     # the reset puts the random streams back (the step run again drew other masks than an
     # uninterrupted run: another loss and other weights, and nothing said so).
     cfg = CFG.replace(model=dataclasses.replace(CFG.model, dropout=dropout))
+    # The abandoned part's trace rows go too: they read as part of the step run again (10 extra
+    # actions in step 0 and a bubble of 94%), and the trace's traffic was more than a step's.
     fresh = cluster.session(cfg)
     reference = [fresh.step() for _ in range(2)]
+    keys = ["rank", "action", "microbatch", "chunk", "step"]
+    ref_traces = fresh.traces()
     fresh.close()
-    for actions in (1, 6):
+    for actions, clear in ((1, False), (6, False), (6, True)):
         session = cluster.session(cfg)
         for _ in range(actions):
+            session.step_action()
+        if clear:
+            session.traces(clear=True)            # half-way: the rows after it are dropped too
             session.step_action()
         session.reset_step()
         state = session.state()
         assert (state.activation_bytes == 0).all() and (state.held_count == 0).all(), actions
+        assert len(session.traces()["events"]) == len(session.traces()["comm"]) == 0
         rows = [session.step() for _ in range(2)]
         for got, want in zip(rows, reference):
             assert got["loss"] == pytest.approx(want["loss"], abs=1e-6), (actions, rows, reference)
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-6), (actions, rows, reference)
+        traces = session.traces()
+        assert sorted(map(tuple, traces["events"][keys].values.tolist())) == \
+            sorted(map(tuple, ref_traces["events"][keys].values.tolist())), actions
+        assert traces["comm"].groupby(["rank", "axis", "step"]).wire_bytes.sum().to_dict() == \
+            ref_traces["comm"].groupby(["rank", "axis", "step"]).wire_bytes.sum().to_dict(), actions
         session.close()
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 __all__ = ["COMM_COLUMNS", "EVENT_COLUMNS", "MOE_COLUMNS", "RING_COLUMNS", "Tracer", "ring_wire_bytes"]
 
@@ -67,6 +67,7 @@ class Tracer:
         self.ring: list[tuple] = []
         self.moe: list[tuple] = []
         self._moe_calls: dict[str, int] = {}
+        self._mark: Optional[tuple] = None
 
     def record_comm(self, *, op: str, axis: str, ranks: tuple[int, ...], nbytes: int,
                     wire_bytes: int, start: float, end: float, site: str, phase: str = "") -> None:
@@ -96,6 +97,26 @@ class Tracer:
         self.ring.clear()
         self.moe.clear()
         self._moe_calls.clear()
+        if self._mark is not None:
+            self._mark = (0, 0, 0, 0, {})      # a step in progress: its rows so far are gone too
+
+    def mark(self) -> None:
+        """Remember where the rows stand (a step begins), for :meth:`rewind`."""
+        self._mark = (len(self.comm), len(self.events), len(self.ring), len(self.moe), dict(self._moe_calls))
+
+    def rewind(self) -> None:
+        """Drop every row recorded since :meth:`mark` (an abandoned step: it is run again from its
+        start, and its partial rows would read as part of that step)."""
+        if self._mark is None:
+            return
+        comm, events, ring, moe, calls = self._mark
+        del self.comm[comm:], self.events[events:], self.ring[ring:], self.moe[moe:]
+        self._moe_calls = calls
+        self._mark = None
+
+    def unmark(self) -> None:
+        """The step finished: its rows stay."""
+        self._mark = None
 
     @contextlib.contextmanager
     def paused(self):

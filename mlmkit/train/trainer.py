@@ -126,6 +126,7 @@ class Trainer:
         self._rng_at_begin = ([model.rng.get_state() for model in self.chunks], torch.get_rng_state())
         self.optimizer.zero_grad()
         self.tracer.step = self.step           # this step's rows are told apart from the others'
+        self.tracer.mark()                     # an abandoned step's rows are dropped
         self._t0 = time.perf_counter()
         self.executor.start_step(tokens[lo:lo + n], targets[lo:lo + n], loss_scale=scale)
 
@@ -134,6 +135,7 @@ class Trainer:
         unless the failure hit during the optimizer update (then :attr:`updating` stays True). The
         dropout streams go back to where the step found them."""
         self.executor.abandon()
+        self.tracer.rewind()                   # run again, the step records its rows anew
         self.optimizer.zero_grad()
         if self.zero3 is not None:
             self.zero3.reset()
@@ -154,6 +156,7 @@ class Trainer:
         grad_norm = self.optimizer.step(lr=lr)
         self.updating = False
         self._rng_at_begin = None          # the step is done: nothing to put back
+        self.tracer.unmark()
         if self.memory is not None:
             self.memory.record(action="optimizer", microbatch=-1)
         elapsed = time.perf_counter() - (self._t0 or time.perf_counter())
