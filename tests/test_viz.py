@@ -156,6 +156,29 @@ def test_timeline_comparison_has_both_panels():
     assert min(min(t.base) for t in fig.data if t.name == "forward") == pytest.approx(0.0)
 
 
+def test_timeline_comparison_puts_each_stage_under_its_own_stage():
+    # A tp=2 x pp=2 run: pipeline 0 is global ranks 0 and 2 (rank 1 is rank 0's tp peer). Drawn by
+    # global rank, stage 1's simulation sat above rank 1's measurement (stage 0 again), with no word.
+    sim = simulate(make_schedule("1f1b", stages=2, microbatches=4), {"forward": 1.0, "backward": 2.0}).timeline
+    stage_of = {0: 0, 1: 0, 2: 1, 3: 1}
+    measured = pd.concat([sim[sim["rank"] == stage_of[g]].assign(rank=g) for g in range(4)], ignore_index=True)
+    measured = measured.assign(start=measured.start + 7.0, end=measured.end + 7.0, step=3)
+    with pytest.raises(ValueError, match=r"the measured timeline has ranks \[0, 1, 2, 3\], the simulation pipeline "
+                                         r"ranks \[0, 1\]: pass ranks=topology.groups\('pp'\)\[0\]"):
+        timeline_comparison(sim, measured)
+    fig = timeline_comparison(sim, measured, ranks=[0, 2])
+    panels = [[t for t in fig.data if t.name == "backward" and t.yaxis == axis][0] for axis in ("y", "y2")]
+    for r in (0, 1):          # each stage's backward blocks: the same offsets from time 0, above and below
+        above = sorted(b for b, y in zip(panels[0].base, panels[0].y) if y == r)
+        below = sorted(b for b, y in zip(panels[1].base, panels[1].y) if y == r)
+        assert above == pytest.approx(below) and len(above) == 4
+    with pytest.raises(ValueError, match=r"ranks=\[0\] must name one global rank per pipeline rank"):
+        timeline_comparison(sim, measured, ranks=[0])
+    two = pd.concat([measured, measured.assign(step=4)], ignore_index=True)
+    with pytest.raises(ValueError, match=r"holds 2 steps \(3..4\), the simulation one: pass one"):
+        timeline_comparison(sim, two, ranks=[0, 2])
+
+
 def _memory_frame():
     rows = []
     for r in range(2):

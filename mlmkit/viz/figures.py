@@ -8,7 +8,7 @@ a standalone HTML file (plotly.js embedded: it opens offline).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -255,13 +255,35 @@ def timeline_figure(timeline: pd.DataFrame, *, title: str = "Pipeline timeline",
     return fig
 
 
-def timeline_comparison(simulated: pd.DataFrame, measured: pd.DataFrame, *, title: str = "Simulated vs measured") -> go.Figure:
-    """Simulated (top) and measured (bottom) timelines of the same schedule, both from time 0.
+def timeline_comparison(simulated: pd.DataFrame, measured: pd.DataFrame, *, ranks: Optional[Sequence[int]] = None,
+                        title: str = "Simulated vs measured") -> go.Figure:
+    """Simulated (top) and measured (bottom) timelines of the same schedule, both from time 0, row
+    for row: pipeline rank (stage) ``r`` above the measured rank that ran stage ``r``.
 
-    Pass a simulation calibrated in seconds (``Costs`` from measured action times) for a shared scale.
+    ``measured``: one step of a trace's ``events``. ``ranks``: the global ranks of one pipeline,
+    stage by stage (``topology.groups("pp")[0]``), when the run had other axes (tp, cp, dp: its
+    global ranks are not the pipeline ranks): the rows of other ranks are left out. Pass a
+    simulation calibrated in seconds (``Costs`` from measured action times) for a shared scale.
     """
     require_columns(simulated, ACTIONS, what="timeline_comparison (simulated)")
     require_columns(measured, ACTIONS, what="timeline_comparison (measured)")
+    steps = _steps(measured)
+    if len(steps) > 1:
+        raise ValueError(f"timeline_comparison: the measured timeline holds {len(steps)} steps ({steps[0]}.."
+                         f"{steps[-1]}), the simulation one: pass one, e.g. events[events.step == {steps[-1]}]")
+    stages = sorted(int(r) for r in simulated["rank"].unique())
+    if ranks is not None:
+        ranks = [int(r) for r in ranks]
+        if len(ranks) != len(stages) or len(set(ranks)) != len(ranks):
+            raise ValueError(f"timeline_comparison: ranks={ranks} must name one global rank per pipeline rank of "
+                             f"the simulation ({len(stages)}), stage by stage: topology.groups('pp')[0]")
+        measured = measured[measured["rank"].isin(ranks)]
+        measured = measured.assign(rank=measured["rank"].map({r: i for i, r in enumerate(ranks)}))
+    elif not set(int(r) for r in measured["rank"].unique()) <= set(stages):
+        raise ValueError(f"timeline_comparison: the measured timeline has ranks "
+                         f"{sorted(int(r) for r in measured['rank'].unique())}, the simulation pipeline ranks "
+                         f"{stages}: pass ranks=topology.groups('pp')[0] (one pipeline's global ranks, stage by "
+                         f"stage), or the measured rows would be drawn under the wrong stages")
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
                         subplot_titles=(f"simulated (bubble {_share(simulated):.1%})",
                                         f"measured (bubble {_share(measured):.1%})"))
