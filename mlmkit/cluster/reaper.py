@@ -1,7 +1,8 @@
 """A tiny watchdog process: when the notebook kernel that started a cluster dies (even by SIGKILL),
 kill the cluster's controller and engines and remove its private folder, so nothing is left behind.
 
-``python -m mlmkit.cluster.reaper DRIVER_PID DRIVER_START_TOKEN PIDS_FILE FOLDER``: every second it
+``python -m mlmkit.cluster.reaper DRIVER_PID DRIVER_START_TOKEN PIDS_FILE FOLDER`` (the token of
+:func:`start_token`, or ``-`` where there is none): every second it
 reads the pids to watch from ``PIDS_FILE`` (the cluster rewrites it whenever an engine is
 replaced), so replacement engines are covered too. It exits by itself once the driver has shut the
 cluster down (the pids file is gone), or kills the pids and removes ``FOLDER`` when the driver is
@@ -86,6 +87,7 @@ def write_pids(path: str, pids) -> None:
 
 def main(argv: list[str]) -> int:
     driver, token, pids_file, folder = int(argv[0]), argv[1], argv[2], argv[3]
+    token = None if token == "-" else token          # "-": no start time to tell a reused pid apart
     pids: list[int] = read_pids(pids_file) or []
     while True:
         time.sleep(1.0)

@@ -409,7 +409,8 @@ def comm_heatmap(comm: pd.DataFrame) -> go.Figure:
                                colorscale="Blues", colorbar=dict(title="MiB"),
                                hovertemplate="%{y} %{x}: %{z:.3f} MiB<extra></extra>"))
     over = f" in {len(steps)} steps" if len(steps) > 1 else ""
-    fig.update_layout(title=f"Bytes sent between ranks{over}", yaxis=dict(autorange="reversed"), height=160 + 40 * len(mat))
+    fig.update_layout(title=f"Bytes sent between ranks{over}", yaxis=dict(autorange="reversed"),
+                      height=160 + 40 * len(mat))
     return fig
 
 
@@ -430,7 +431,8 @@ def comm_by_axis_figure(comm: pd.DataFrame, *, estimate: Optional[pd.DataFrame] 
         fig.add_trace(go.Scatter(x=estimate.index, y=estimate.sum(axis=1) / 2**20, mode="markers", name="estimate",
                                  marker=dict(symbol="line-ew-open", size=28, color="black", line=dict(width=2))))
     over = f" (mean of {len(steps)} steps)" if len(steps) > 1 else ""
-    fig.update_layout(title=f"Bytes sent per rank and step, by axis{over}", barmode="stack", xaxis=dict(title="rank", dtick=1),
+    fig.update_layout(title=f"Bytes sent per rank and step, by axis{over}", barmode="stack",
+                      xaxis=dict(title="rank", dtick=1),
                       yaxis=dict(title="MiB"), plot_bgcolor="white")
     return fig
 
