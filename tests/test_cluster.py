@@ -193,6 +193,9 @@ def test_stepping_action_by_action_equals_whole_steps(cluster, batch_p2p):
     whole = cluster.session(CFG)
     losses_whole = [whole.step()["loss"] for _ in range(2)]
     assert losses_stepped == losses_whole
+    # A step driven action by action took the notebook's time: no throughput is made of it.
+    assert stepped.metrics()[["step_time", "tokens_per_s"]].isna().all().all()
+    assert (whole.metrics().step_time > 0).all() and (whole.metrics().tokens_per_s > 0).all()
     # Mid-step state: activations held with their shapes.
     whole.step_microbatch()
     st = whole.state()

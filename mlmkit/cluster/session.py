@@ -486,9 +486,13 @@ class Session:
             return self._step()
 
     def _step(self) -> dict:
+        by_hand = self.cursor is not None          # begun by step_action/step_microbatch
         self._ensure_begun()
         rows = self._call(_finish)
         row = rows[0]
+        if by_hand:
+            # Its wall time is the notebook's pace between actions, not the step's: no number.
+            row = dict(row, step_time=float("nan"), tokens_per_s=float("nan"))
         self.cursor = None
         self.history.append(row)
         self.step_index = row["step"] + 1
@@ -567,6 +571,9 @@ class Session:
         return df
 
     def metrics(self):
+        """One row per finished step: step, loss, lr, grad_norm, step_time (s), tokens_per_s (and
+        the MoE columns). A step run action by action (:meth:`step_action`, :meth:`step_microbatch`)
+        has no step_time or tokens_per_s (NaN): its wall time is the pace of the notebook."""
         import pandas as pd
 
         columns = METRIC_COLUMNS + (["aux_loss", "dropped"] if self.config.model.moe else [])
