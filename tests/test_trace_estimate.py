@@ -1,6 +1,7 @@
 """Traces (compute, communication, memory) against the pure-Python estimator; published figures; Chrome trace."""
 
 import json
+import socket
 
 import pytest
 import torch
@@ -216,6 +217,8 @@ def test_a_trace_of_two_steps_reads_as_steps_not_as_one_long_one(tmp_path):
     runs = run_ranks(_two_steps_apart, world_size=4, args=(cfg.to_dict(),), timeout_s=300)
     one = merge_traces(r[0] for r in runs)
     two = merge_traces(r[1] for r in runs)
+    assert one["clock"] == "monotonic"            # one machine: the times as recorded
+    assert {r[0]["clock"]["host"] for r in runs} == {socket.gethostname()}
     assert set(one["events"].step) == set(one["comm"].step) == {1}
     assert set(two["events"].step) == set(two["comm"].step) == {1, 2}
     last = two["events"][two["events"].step == 2]
@@ -236,6 +239,41 @@ def test_a_trace_of_two_steps_reads_as_steps_not_as_one_long_one(tmp_path):
     chrome = json.load(open(to_chrome_trace(two, str(tmp_path / "two.json"))))
     events = chrome["traceEvents"] if isinstance(chrome, dict) else chrome
     assert {e["args"]["step"] for e in events if e.get("ph") == "X" and e.get("cat") != "ring"} == {1, 2}
+
+
+def test_traces_of_ranks_on_two_hosts_are_put_on_one_clock():
+    # Each machine's monotonic clock counts from its own boot: stage 0 on a node up for a day and
+    # stage 1 on one up for an hour sat 23 hours apart on one axis. Merged onto the wall clock (each
+    # rank's trace says its host and its wall-minus-monotonic offset), the step reads as the step.
+    import pandas as pd
+
+    from mlmkit.viz import bubble_table
+
+    def rank(r, host, boot_offset):
+        events = pd.DataFrame([(r, "F", 0, 0, 5.0 + r + boot_offset, 6.0 + r + boot_offset, 0),
+                               (r, "B", 0, 0, 8.0 - r + boot_offset, 10.0 - r + boot_offset, 0)],
+                              columns=["rank", "action", "microbatch", "chunk", "start", "end", "step"])
+        comm = pd.DataFrame([(r, "send", "pp", (r, 1 - r), 8, 8, 6.0 + boot_offset, 6.1 + boot_offset, "x", "", 0)],
+                            columns=["rank", "op", "axis", "ranks", "bytes", "wire_bytes", "start", "end", "site",
+                                     "phase", "step"])
+        memory = pd.DataFrame({"rank": [r], "time": [6.0 + boot_offset]})
+        return {"events": events, "comm": comm, "memory": memory,
+                "clock": {"host": host, "wall_minus_monotonic": 1.7e9 - boot_offset}}
+
+    apart = merge_traces([rank(0, "node-a", 86400.0), rank(1, "node-b", 3600.0)])
+    assert apart["clock"] == "wall"
+    ev = apart["events"]
+    assert ev.start.max() - ev.start.min() == pytest.approx(3.0)
+    assert bubble_table(ev).idle.to_dict() == pytest.approx({0: 2.0, 1: 2.0})
+    assert apart["comm"].start.tolist() == pytest.approx([1.7e9 + 6.0] * 2)
+    assert apart["memory"].time.tolist() == pytest.approx([1.7e9 + 6.0] * 2)
+    assert apart["t0"] == pytest.approx(1.7e9 + 5.0)
+    # One host: the shared monotonic clock, as recorded.
+    same = merge_traces([rank(0, "node-a", 0.0), rank(1, "node-a", 0.0)])
+    assert same["clock"] == "monotonic" and same["events"].start.min() == 5.0
+    with pytest.raises(ValueError, match="several hosts, and some say nothing of their clock"):
+        merge_traces([rank(0, "node-a", 0.0), rank(1, "node-b", 0.0), {k: v for k, v in rank(2, "", 0.0).items()
+                                                                          if k != "clock"}])
 
 
 def test_megatron_bytes_per_parameter():

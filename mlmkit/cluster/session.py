@@ -580,7 +580,10 @@ class Session:
         return pd.DataFrame(self.history, columns=columns)
 
     def traces(self, *, clear: bool = False) -> dict:
-        """Every rank's traces merged: ``events``, ``comm``, ``memory``, ``ring`` DataFrames and ``t0``."""
+        """Every rank's traces merged (:func:`mlmkit.trace.export.merge_traces`): ``events``,
+        ``comm``, ``memory``, ``ring``, ``moe`` DataFrames, ``t0`` and ``clock`` (``"wall"`` when
+        the engines run on several hosts). Rows of every step since the last ``clear=True`` (each
+        with its ``step``); ``clear=True`` empties the engines' traces after reading them."""
         from mlmkit.trace.export import merge_traces
 
         per_rank = self._call(_traces, clear)

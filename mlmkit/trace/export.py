@@ -8,24 +8,47 @@ from typing import Iterable
 __all__ = ["merge_traces", "to_chrome_trace"]
 
 
+#: The time columns of each kind of frame.
+TIME_COLUMNS = {"events": ("start", "end"), "comm": ("start", "end"), "memory": ("time",), "ring": ("start", "end")}
+
+
 def merge_traces(per_rank: Iterable[dict]) -> dict:
     """Concatenate each kind of frame (``events``, ``comm``, ``memory``, ``ring``, ``moe``) over ranks.
 
-    Times stay in seconds of ``time.perf_counter`` (CLOCK_MONOTONIC, shared by the processes of
-    one machine); ``t0`` is the earliest start, for plotting from zero.
+    Times are seconds of ``time.perf_counter`` (CLOCK_MONOTONIC), which the processes of one
+    machine share. Each machine has its own (it counts from its boot): when the ranks' traces say
+    (their ``clock``, from :meth:`Trainer.traces`) that they ran on more than one host, each rank's
+    times are moved onto the wall clock (``time.time()``, which NTP keeps within about a millisecond
+    across a cluster's nodes), and ``clock`` says so (``"wall"``; ``"monotonic"`` otherwise): without
+    that, a pipeline's stages on two nodes sat hours apart, and every step looked like one long
+    bubble. ``t0`` is the earliest start, for plotting from zero.
     """
     import pandas as pd
 
     per_rank = list(per_rank)
+    hosts = {d["clock"]["host"] for d in per_rank if "clock" in d}
+    wall = len(hosts) > 1
+    if wall and not all("clock" in d for d in per_rank):
+        raise ValueError("merge_traces: the traces come from several hosts, and some say nothing of their clock: "
+                         "their times cannot be put on one axis (pass every rank's Trainer.traces())")
     out = {}
     for kind in ("events", "comm", "memory", "ring", "moe"):
         if per_rank and kind not in per_rank[0]:
             continue
-        frames = [d[kind] for d in per_rank if kind in d and len(d[kind])]
+        frames = []
+        for d in per_rank:
+            if kind not in d or not len(d[kind]):
+                continue
+            frame = d[kind]
+            if wall and kind in TIME_COLUMNS:
+                shift = d["clock"]["wall_minus_monotonic"]
+                frame = frame.assign(**{c: frame[c] + shift for c in TIME_COLUMNS[kind] if c in frame})
+            frames.append(frame)
         out[kind] = pd.concat(frames, ignore_index=True) if frames else (per_rank[0][kind] if per_rank else pd.DataFrame())
     starts = [out[k][c].min() for k, c in (("events", "start"), ("comm", "start"), ("memory", "time"))
               if len(out.get(k, ())) and c in out[k]]
     out["t0"] = float(min(starts)) if starts else 0.0
+    out["clock"] = "wall" if wall else "monotonic"
     return out
 
 

@@ -207,14 +207,17 @@ class Trainer:
 
     def traces(self) -> dict:
         """This rank's traces as DataFrames: ``events`` (schedule actions), ``comm``, ``memory``,
-        ``ring`` (ring-attention steps, with context parallelism), ``moe`` (routing per MoE layer call)."""
+        ``ring`` (ring-attention steps, with context parallelism), ``moe`` (routing per MoE layer
+        call); and ``clock``: this host and its wall-minus-monotonic offset (for merging ranks of
+        several hosts)."""
         import pandas as pd
 
         from mlmkit.trace.memory import MEMORY_COLUMNS
 
         return {"events": self.tracer.event_frame(), "comm": self.tracer.comm_frame(), "ring": self.tracer.ring_frame(),
                 "moe": self.tracer.moe_frame(),
-                "memory": self.memory.frame() if self.memory is not None else pd.DataFrame(columns=MEMORY_COLUMNS)}
+                "memory": self.memory.frame() if self.memory is not None else pd.DataFrame(columns=MEMORY_COLUMNS),
+                "clock": _clock()}
 
     def clear_traces(self) -> None:
         self.tracer.clear()
@@ -266,6 +269,14 @@ class Trainer:
         c = self.config
         return (f"Trainer(rank={self.groups.rank}, {c.topology!r}, schedule={c.schedule}, step={self.step}, "
                 f"zero={c.zero}, sp={c.sequence_parallel}, recompute={c.recompute}, precision={c.precision})")
+
+
+def _clock() -> dict:
+    """Which machine's monotonic clock the times are in, and how to move them onto the wall clock
+    (for :func:`mlmkit.trace.export.merge_traces` of ranks on several hosts)."""
+    import socket
+
+    return {"host": socket.gethostname(), "wall_minus_monotonic": time.time() - time.perf_counter()}
 
 
 def traced_step(rank: int, world_size: int, config_dict: dict, warmup_steps: int = 1) -> dict:
