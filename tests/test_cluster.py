@@ -245,6 +245,12 @@ def test_sessions_on_one_cluster_each_keep_their_own_traces(cluster, tmp_path):
         theirs = other.traces()
         assert len(theirs["events"]) == 2 * len(mine["events"]) and len(theirs["comm"]) == 2 * len(mine["comm"])
         assert set(theirs["events"].step) == {0, 1}
+        # Reading another session while one is half-way through a step takes none of its rows.
+        for _ in range(3):
+            loud.step_action()
+        assert len(other.traces()["comm"]) == len(theirs["comm"]) and len(quiet.state())
+        loud.step()
+        assert len(loud.traces()["comm"]) == 2 * len(mine["comm"]) and len(other.traces()["comm"]) == len(theirs["comm"])
     finally:
         for s in (quiet, loud, other):
             s.close()

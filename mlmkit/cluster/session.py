@@ -92,7 +92,6 @@ def _trainer(state, sid):
     t = state.trainers.get(sid)
     if t is None:
         raise RuntimeError(f"this engine has no trainer for session {sid} (closed, or the engine was replaced)")
-    t.claim_groups()          # the engine's groups serve every session: this call's collectives are t's
     return t
 
 
