@@ -142,6 +142,8 @@ def test_a_trace_of_several_steps_has_bubbles_inside_each_step_only():
     assert max(b + x for b, x in zip(bubble.base, bubble.x)) == pytest.approx(two.end.max() - two.start.min())
     assert all(not (one.end.max() < b < later.start.min()) for b in bubble.base)   # nothing in the gap
     assert f"bubble {single.idle.sum() / (single.busy.sum() + single.idle.sum()):.1%}, 2 steps" in fig.layout.title.text
+    with pytest.raises(ValueError, match=r"'step' column has 64 empty value\(s\) among 128 rows"):
+        bubble_table(pd.concat([one, later.assign(step=1)], ignore_index=True))
     # A step in which a rank ran nothing is idle for that rank throughout.
     lonely = pd.concat([two, one.iloc[:1].assign(rank=9, step=0)], ignore_index=True)
     assert bubble_table(lonely).loc[9, "idle"] == pytest.approx(2 * one.end.max() - 1.0)

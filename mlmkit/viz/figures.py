@@ -123,7 +123,13 @@ def topology_figure(frame: pd.DataFrame, *, color_by: str = "pp") -> go.Figure:
 def _steps(frame: pd.DataFrame) -> list:
     """The optimizer steps a trace holds (its ``step`` column); one unnamed step without one (a
     simulated timeline)."""
-    return sorted(frame["step"].unique()) if "step" in frame.columns and len(frame) else [None]
+    if "step" not in frame.columns or not len(frame):
+        return [None]
+    if frame["step"].isna().any():
+        raise ValueError(f"the frame's 'step' column has {int(frame['step'].isna().sum())} empty value(s) among "
+                         f"{len(frame)} rows (frames of several sources concatenated?): give every row its step, "
+                         f"or drop the column for a single step")
+    return sorted(frame["step"].unique())
 
 
 def _step_spans(timeline: pd.DataFrame) -> list[tuple[pd.DataFrame, float, float]]:
