@@ -597,6 +597,19 @@ def test_files_a_run_reads_and_writes_are_checked_before_it_starts(tmp_path):
                          capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
     assert out.returncode == 0, out.stderr[-2000:]
     assert (tmp_path / "m.csv").exists() and os.path.exists(tmp_path / "new" / "dir" / "step_000001" / "metadata.json")
+    # A run resumed at or past max_steps without --steps trained nothing ("steps 1..0") and saved the
+    # checkpoint again under another name; refused before it starts. With --steps it trains on.
+    done = str(tmp_path / "new" / "dir")
+    for flags, needle in ((["--max-steps", "1"], "resumes at step 1, and max_steps=1: nothing is left to train; pass "
+                                                  "--steps N for N more steps"),):
+        out = subprocess.run([sys.executable, "-m", "mlmkit.train", "--config", str(config), "--load", done, "--save-dir",
+                              done, *flags], capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
+        assert out.returncode != 0 and f"python -m mlmkit.train: --load={done!r} {needle}" in out.stderr, out.stderr[-2000:]
+        assert sorted(os.listdir(done)) == ["latest", "step_000001"]
+    out = subprocess.run([sys.executable, "-m", "mlmkit.train", "--config", str(config), "--load", done, "--max-steps", "1",
+                          "--steps", "1", "--save-dir", done], capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
+    assert out.returncode == 0 and '"step": 1' in out.stdout, out.stderr[-2000:]
+    assert "step_000002" in os.listdir(done)
 
 
 @pytest.mark.parametrize("content", [b"ab\r\n" * 5, b"line\rone\r\n" + "d\xe9j\xe0 vu!".encode("latin-1"),
@@ -621,6 +634,18 @@ def test_a_corpus_is_read_as_its_bytes_and_every_window_is_drawn(content, tmp_pa
     n = len(content)
     with pytest.raises(ValueError, match=rf"has {n} bytes \(tokens\), too few for one window of seq_len\+1={n + 1}"):
         check_corpus(str(path), seq_len=n)
+
+
+def test_fit_past_max_steps_or_with_negative_steps_is_refused():
+    # fit() trains "up to max_steps": past them it ran range(negative), nothing, without a word.
+    trainer = Trainer(BASE.replace(max_steps=1, tracing=False), groups=ProcessGroups.single())
+    assert len(trainer.fit(progress=False)) == 1 and len(trainer.fit(progress=False)) == 1     # done: 0 more
+    trainer.fit(1, progress=False)
+    with pytest.raises(ValueError, match=r"at step 2, past max_steps=1: pass steps=N to train N more steps"):
+        trainer.fit(progress=False)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=r"steps must be a whole number >= 0"):
+            trainer.fit(bad, progress=False)
 
 
 def test_global_batch_not_divisible():

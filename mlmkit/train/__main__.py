@@ -126,12 +126,18 @@ def check_paths(args, cfg: TrainConfig) -> None:
     resume that is missing or of another model, or an output that cannot be written (found only
     after the whole run before), raise ValueError naming the flag."""
     if args.load is not None:
-        from mlmkit.train.checkpoint import CheckpointError, check_checkpoint
+        from mlmkit.train.checkpoint import CheckpointError, check_checkpoint, checkpoint_step
 
         try:
             check_checkpoint(args.load, cfg.model)
+            step = checkpoint_step(args.load)
         except CheckpointError as err:
             raise ValueError(f"--load={args.load!r}: {err}") from None
+        if args.steps is None and step >= cfg.max_steps:
+            # "Up to max_steps" is then no step at all: the run would only save the checkpoint again.
+            raise ValueError(f"--load={args.load!r} resumes at step {step}, and max_steps={cfg.max_steps}: nothing "
+                             f"is left to train; pass --steps N for N more steps (past max_steps the learning rate "
+                             f"stays at min_lr) or --max-steps above {step}")
     if args.save_dir is not None:
         if os.path.exists(args.save_dir) and not os.path.isdir(args.save_dir):
             raise ValueError(f"--save-dir={args.save_dir!r} is a file: give a folder (created if missing)")

@@ -53,7 +53,7 @@ import torch
 from mlmkit.tensor_parallel.layers import shard_full, unshard
 from mlmkit.train.config import TrainConfig
 
-__all__ = ["CheckpointError", "check_checkpoint", "export_state_dict", "holds_checkpoint", "latest_checkpoint",
+__all__ = ["CheckpointError", "check_checkpoint", "checkpoint_step", "export_state_dict", "holds_checkpoint", "latest_checkpoint",
            "load_checkpoint", "save_checkpoint"]
 
 FORMAT = "mlmkit-checkpoint-2"
@@ -367,6 +367,11 @@ def check_checkpoint(path: str, model) -> str:
     path = latest_checkpoint(path)
     _check_model(path, _read_metadata(path), model)
     return path
+
+
+def checkpoint_step(path: str) -> int:
+    """The step the checkpoint at ``path`` (a folder of checkpoints: its newest) resumes from."""
+    return _read_metadata(latest_checkpoint(path))["step"]
 
 
 def _check_model(path: str, meta: dict, model) -> None:

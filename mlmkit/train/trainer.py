@@ -181,7 +181,13 @@ class Trainer:
 
         A progress bar (tqdm.auto: a widget in notebooks, text elsewhere) is shown on global rank 0.
         """
-        steps = self.config.max_steps - self.step if steps is None else steps
+        if steps is None:
+            steps = self.config.max_steps - self.step
+            if steps < 0:
+                raise ValueError(f"Trainer.fit(): this trainer is at step {self.step}, past max_steps="
+                                 f"{self.config.max_steps}: pass steps=N to train N more steps")
+        elif isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"Trainer.fit(steps={steps!r}): steps must be a whole number >= 0")
         bar = None
         if progress and self.groups.rank == 0:
             from tqdm.auto import tqdm
