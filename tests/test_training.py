@@ -600,14 +600,15 @@ def test_files_a_run_reads_and_writes_are_checked_before_it_starts(tmp_path):
     # A run resumed at or past max_steps without --steps trained nothing ("steps 1..0") and saved the
     # checkpoint again under another name; refused before it starts. With --steps it trains on.
     done = str(tmp_path / "new" / "dir")
-    for flags, needle in ((["--max-steps", "1"], "resumes at step 1, and max_steps=1: nothing is left to train; pass "
+    for flags, needle in ((["--max-steps", "1", "--warmup-steps", "0"], "resumes at step 1, and max_steps=1: nothing "
+                                                                         "is left to train; pass "
                                                   "--steps N for N more steps"),):
         out = subprocess.run([sys.executable, "-m", "mlmkit.train", "--config", str(config), "--load", done, "--save-dir",
                               done, *flags], capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
         assert out.returncode != 0 and f"python -m mlmkit.train: --load={done!r} {needle}" in out.stderr, out.stderr[-2000:]
         assert sorted(os.listdir(done)) == ["latest", "step_000001"]
     out = subprocess.run([sys.executable, "-m", "mlmkit.train", "--config", str(config), "--load", done, "--max-steps", "1",
-                          "--steps", "1", "--save-dir", done], capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
+                          "--warmup-steps", "0", "--steps", "1", "--save-dir", done], capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
     assert out.returncode == 0 and '"step": 1' in out.stdout, out.stderr[-2000:]
     assert "step_000002" in os.listdir(done)
 
@@ -638,7 +639,7 @@ def test_a_corpus_is_read_as_its_bytes_and_every_window_is_drawn(content, tmp_pa
 
 def test_fit_past_max_steps_or_with_negative_steps_is_refused():
     # fit() trains "up to max_steps": past them it ran range(negative), nothing, without a word.
-    trainer = Trainer(BASE.replace(max_steps=1, tracing=False), groups=ProcessGroups.single())
+    trainer = Trainer(BASE.replace(max_steps=1, warmup_steps=0, tracing=False), groups=ProcessGroups.single())
     assert len(trainer.fit(progress=False)) == 1 and len(trainer.fit(progress=False)) == 1     # done: 0 more
     trainer.fit(1, progress=False)
     with pytest.raises(ValueError, match=r"at step 2, past max_steps=1: pass steps=N to train N more steps"):
@@ -646,6 +647,11 @@ def test_fit_past_max_steps_or_with_negative_steps_is_refused():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match=r"steps must be a whole number >= 0"):
             trainer.fit(bad, progress=False)
+    # Past max_steps the learning rate is min_lr, also when the warm-up is longer than the run (a
+    # quick max_steps=2 with the default warmup_steps=5 went on warming up past max_steps).
+    for step in range(2, 8):
+        assert lr_at(step, lr=1.0, min_lr=0.1, warmup_steps=5, max_steps=2) == 0.1
+    assert [lr_at(s, lr=1.0, min_lr=0.1, warmup_steps=5, max_steps=2) for s in (0, 1)] == [0.2, 0.4]
 
 
 def test_global_batch_not_divisible():
