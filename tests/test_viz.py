@@ -108,6 +108,48 @@ def test_the_other_figures_handed_another_frame_say_which(figure, args, needle):
         viz.ring_timeline_figure(pd.DataFrame({c: [0] for c in frames["ring (cp=1)"].columns}), frames["timeline"])
 
 
+def test_every_figure_of_a_trace_handed_an_empty_or_foreign_frame_says_so():
+    # A session with tracing=False, or traces cleared since the last step, gives frames without rows:
+    # timeline_figure, timeline_comparison, memory_figure and parameter_memory_figure divided by zero,
+    # and the shard and topology pictures took any frame and failed inside pandas. Every figure that
+    # takes one frame is handed each kind of trace frame with no rows: a picture, or a ValueError
+    # that says what is wrong; never another error.
+    import inspect
+
+    import mlmkit.viz as viz
+    from mlmkit.trace import COMM_COLUMNS, EVENT_COLUMNS, MOE_COLUMNS, RING_COLUMNS
+    from mlmkit.trace.memory import MEMORY_COLUMNS
+
+    kinds = {"events": EVENT_COLUMNS, "comm": COMM_COLUMNS, "moe": MOE_COLUMNS, "ring": RING_COLUMNS,
+             "memory": MEMORY_COLUMNS, "topology": ("rank", "tp", "cp", "dp", "pp"),
+             "shards": ("rank", "name", "local_shape", "global_shape", "split_dim", "bytes")}
+    takes_one_frame = [n for n in viz.__all__ if inspect.isfunction(getattr(viz, n))
+                       and n not in ("save_html", "schedule_explorer", "cp_split_figure", "cp_work_frame",
+                                     "zero_bytes_frame", "plan_memory_figure", "timeline_comparison")]
+    assert {"timeline_figure", "memory_figure", "parameter_memory_figure", "shard_figure", "topology_figure",
+            "bubble_table", "comm_by_axis_figure", "ring_timeline_figure", "expert_load_figure"} <= set(takes_one_frame)
+    said = 0
+    for name in takes_one_frame:
+        for kind, columns in kinds.items():
+            try:
+                getattr(viz, name)(pd.DataFrame(columns=list(columns)))
+            except ValueError as err:
+                said += 1
+                assert f"{name}" in str(err) and ("no rows" in str(err) or "lacks" in str(err)), (name, kind, err)
+    assert said > 40
+    for figure in ("timeline_figure", "memory_figure", "parameter_memory_figure"):
+        kind = "events" if figure == "timeline_figure" else "memory"
+        with pytest.raises(ValueError, match=rf"{figure}: the frame has no rows: nothing was recorded"):
+            getattr(viz, figure)(pd.DataFrame(columns=list(kinds[kind])))
+    with pytest.raises(ValueError, match=r"shard_figure: the frame has no rows: expected parameter shards"):
+        viz.shard_figure(pd.DataFrame(columns=list(kinds["shards"])))
+    with pytest.raises(ValueError, match=r"topology_figure: the frame lacks 'tp', 'dp', 'pp' .* expected a rank grid"):
+        viz.topology_figure(pd.DataFrame(columns=list(kinds["events"])))
+    ev = pd.DataFrame(columns=list(EVENT_COLUMNS))
+    with pytest.raises(ValueError, match=r"timeline_comparison \(measured\): the frame has no rows"):
+        timeline_comparison(simulate(make_schedule("1f1b", stages=2, microbatches=2), {"forward": 1, "backward": 2}).timeline, ev)
+
+
 @pytest.mark.parametrize("name,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)])
 def test_timeline_blocks_and_bubble_share(name, chunks):
     res = simulate(make_schedule(name, stages=4, microbatches=8, chunks=chunks),

@@ -15,7 +15,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 __all__ = [
-    "ACTION_COLORS", "MEMORY_COLORS", "bubble_table", "require_columns", "comm_by_axis_figure", "comm_heatmap",
+    "ACTION_COLORS", "MEMORY_COLORS", "bubble_table", "require_columns", "require_rows", "comm_by_axis_figure", "comm_heatmap",
     "comm_matrix",
     "activation_peaks_figure", "comm_timeline_figure", "memory_figure", "save_html", "shard_figure", "shard_matrix_figure", "timeline_comparison", "timeline_figure",
     "topology_figure",
@@ -31,6 +31,9 @@ COMM = (("rank", "op", "axis", "ranks", "wire_bytes"), "the 'comm' frame of a tr
 COMM_TIMED = (COMM[0] + ("bytes", "site", "start", "end"), COMM[1])
 MEMORY = (("rank", "time", "parameters", "gradients", "optimizer", "activations", "activations_peak"),
           "the 'memory' frame of a trace (Trainer.traces()['memory'], merge_traces(...)['memory'])")
+TOPOLOGY = (("tp", "dp", "pp"), "a rank grid: Topology.to_frame() (index rank), optionally joined with Cluster.to_frame()")
+SHARDS = (("rank", "name", "local_shape", "global_shape", "split_dim"),
+          "parameter shards: mlmkit.model.shard_table(model, rank=...) of every rank (e.g. cluster.run_frame(...))")
 
 
 def require_columns(frame, spec, *, what: str) -> None:
@@ -43,6 +46,16 @@ def require_columns(frame, spec, *, what: str) -> None:
     if missing:
         raise ValueError(f"{what}: the frame lacks {', '.join(map(repr, missing))} (its columns: "
                          f"{list(frame.columns)}); expected {source}")
+
+
+_NOTHING_TRACED = ("nothing was recorded (a run with tracing=False, traces cleared since the last step, or a "
+                   "filter that left none); trace a step first")
+
+
+def require_rows(frame: pd.DataFrame, *, what: str, why: str = _NOTHING_TRACED) -> None:
+    """ValueError for a frame without rows, which a figure of it cannot draw (it divided by zero)."""
+    if not len(frame):
+        raise ValueError(f"{what}: the frame has no rows: {why}")
 
 
 ACTION_COLORS = {"F": "#4C78A8", "B": "#F58518", "I": "#E45756", "W": "#54A24B"}
@@ -72,7 +85,12 @@ def topology_figure(frame: pd.DataFrame, *, color_by: str = "pp") -> go.Figure:
     ``frame``: :meth:`Topology.to_frame` (index rank; columns tp, cp, dp, pp), optionally with a
     ``device`` / ``host`` column (e.g. joined from :meth:`Cluster.to_frame`) shown on hover.
     """
+    require_columns(frame, TOPOLOGY, what="topology_figure")
+    require_rows(frame, what="topology_figure", why=f"expected {TOPOLOGY[1]}")
     df = frame.reset_index()
+    if "rank" not in df:
+        raise ValueError(f"topology_figure: the frame has no 'rank' (index or column; its columns: {list(frame.columns)}); "
+                         f"expected {TOPOLOGY[1]}")
     if "cp" not in df:
         df["cp"] = 0
     tp_n, cp_n, dp_n = int(df.tp.max()) + 1, int(df.cp.max()) + 1, int(df.dp.max()) + 1
@@ -150,6 +168,7 @@ def bubble_table(timeline: pd.DataFrame) -> pd.DataFrame:
     end and the next one's start (the optimizer, the driver, a user between two cells) is no bubble.
     """
     require_columns(timeline, TIMELINE, what="bubble_table")
+    require_rows(timeline, what="bubble_table")
     ranks = sorted(timeline["rank"].unique())
     busy = pd.Series(0.0, index=ranks)
     span = 0.0
@@ -246,6 +265,7 @@ def timeline_figure(timeline: pd.DataFrame, *, title: str = "Pipeline timeline",
     all, with bubbles inside each step only (see :func:`bubble_table`).
     """
     require_columns(timeline, ACTIONS, what="timeline_figure")
+    require_rows(timeline, what="timeline_figure")
     bubbles = bubble_table(timeline)
     fig = go.Figure(_timeline_traces(timeline))
     ranks = sorted(timeline["rank"].unique())
@@ -273,6 +293,8 @@ def timeline_comparison(simulated: pd.DataFrame, measured: pd.DataFrame, *, rank
     """
     require_columns(simulated, ACTIONS, what="timeline_comparison (simulated)")
     require_columns(measured, ACTIONS, what="timeline_comparison (measured)")
+    require_rows(simulated, what="timeline_comparison (simulated)")
+    require_rows(measured, what="timeline_comparison (measured)")
     steps = _steps(measured)
     if len(steps) > 1:
         raise ValueError(f"timeline_comparison: the measured timeline holds {len(steps)} steps ({steps[0]}.."
@@ -320,6 +342,7 @@ def memory_figure(memory: pd.DataFrame, *, estimate: Optional[pd.DataFrame] = No
     activations_peak). ``estimate``: :func:`mlmkit.estimate.estimate_memory` (index rank).
     """
     require_columns(memory, MEMORY, what="memory_figure")
+    require_rows(memory, what="memory_figure")
     ranks = sorted(memory["rank"].unique())
     cols = min(len(ranks), 4)
     rows = -(-len(ranks) // cols)
@@ -464,6 +487,8 @@ def comm_timeline_figure(comm: pd.DataFrame, *, t0: Optional[float] = None) -> g
 # ------------------------------------------------------------------------------------------ shards
 def shard_figure(shards: pd.DataFrame) -> go.Figure:
     """A table of what each rank holds: parameter, local and global shape, split dimension, bytes."""
+    require_columns(shards, (SHARDS[0] + ("bytes",), SHARDS[1]), what="shard_figure")
+    require_rows(shards, what="shard_figure", why=f"expected {SHARDS[1]}")
     df = shards.copy()
     split = df.split_dim.map(lambda d: "replicated" if pd.isna(d) else f"dim {int(d)}")
     cols = ["rank", "name", "local_shape", "global_shape", "split", "bytes"]
@@ -486,6 +511,8 @@ def shard_matrix_figure(shards: pd.DataFrame) -> go.Figure:
     """
     from plotly.subplots import make_subplots
 
+    require_columns(shards, SHARDS, what="shard_matrix_figure")
+    require_rows(shards, what="shard_matrix_figure", why=f"expected {SHARDS[1]}")
     names = list(dict.fromkeys(shards["name"]))
     fig = make_subplots(rows=1, cols=len(names), subplot_titles=names, horizontal_spacing=0.06)
     ranks = sorted(shards["rank"].unique())

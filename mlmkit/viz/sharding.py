@@ -10,7 +10,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from mlmkit.viz.figures import COMM, require_columns
+from mlmkit.viz.figures import COMM, require_columns, require_rows
 
 __all__ = ["parameter_memory_figure", "zero_bytes_figure", "zero_bytes_frame"]
 
@@ -27,6 +27,7 @@ def parameter_memory_figure(memory: pd.DataFrame, *, estimate: Optional[pd.DataF
     the memory trace: each gather of a ZeRO-3 unit adds a row), with the estimator's peak (dashed)
     if ``estimate`` (:func:`mlmkit.estimate.estimate_memory`) is given."""
     require_columns(memory, PARAMETER_MEMORY, what="parameter_memory_figure")
+    require_rows(memory, what="parameter_memory_figure")
     ranks = sorted(memory["rank"].unique())
     cols = min(len(ranks), 4)
     rows = -(-len(ranks) // cols)
