@@ -381,7 +381,8 @@ class Cluster:
         write_pids(self._pids_file(), self.pids())
         self._reaper = subprocess.Popen(
             [sys.executable, "-m", "mlmkit.cluster.reaper", str(os.getpid()), start_token(os.getpid()) or "-",
-             self._pids_file(), self._profile_dir], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+             self._pids_file(), self._profile_dir],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True)
 
     @classmethod

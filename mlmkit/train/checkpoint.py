@@ -53,8 +53,8 @@ import torch
 from mlmkit.tensor_parallel.layers import shard_full, unshard
 from mlmkit.train.config import TrainConfig
 
-__all__ = ["CheckpointError", "check_checkpoint", "checkpoint_step", "export_state_dict", "holds_checkpoint", "latest_checkpoint",
-           "load_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointError", "check_checkpoint", "checkpoint_step", "export_state_dict", "holds_checkpoint",
+           "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
 FORMAT = "mlmkit-checkpoint-2"
 _FORMATS = ("mlmkit-checkpoint-1", FORMAT)   # version 1: sizes only, no checksums

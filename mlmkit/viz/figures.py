@@ -15,7 +15,8 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 __all__ = [
-    "ACTION_COLORS", "MEMORY_COLORS", "bubble_table", "require_columns", "require_rows", "comm_by_axis_figure", "comm_heatmap",
+    "ACTION_COLORS", "MEMORY_COLORS", "bubble_table", "require_columns", "require_rows", "comm_by_axis_figure",
+    "comm_heatmap",
     "comm_matrix",
     "activation_peaks_figure", "comm_timeline_figure", "memory_figure", "save_html", "shard_figure", "shard_matrix_figure", "timeline_comparison", "timeline_figure",
     "topology_figure",
@@ -31,7 +32,8 @@ COMM = (("rank", "op", "axis", "ranks", "wire_bytes"), "the 'comm' frame of a tr
 COMM_TIMED = (COMM[0] + ("bytes", "site", "start", "end"), COMM[1])
 MEMORY = (("rank", "time", "parameters", "gradients", "optimizer", "activations", "activations_peak"),
           "the 'memory' frame of a trace (Trainer.traces()['memory'], merge_traces(...)['memory'])")
-TOPOLOGY = (("tp", "dp", "pp"), "a rank grid: Topology.to_frame() (index rank), optionally joined with Cluster.to_frame()")
+TOPOLOGY = (("tp", "dp", "pp"),
+            "a rank grid: Topology.to_frame() (index rank), optionally joined with Cluster.to_frame()")
 SHARDS = (("rank", "name", "local_shape", "global_shape", "split_dim"),
           "parameter shards: mlmkit.model.shard_table(model, rank=...) of every rank (e.g. cluster.run_frame(...))")
 
@@ -89,8 +91,8 @@ def topology_figure(frame: pd.DataFrame, *, color_by: str = "pp") -> go.Figure:
     require_rows(frame, what="topology_figure", why=f"expected {TOPOLOGY[1]}")
     df = frame.reset_index()
     if "rank" not in df:
-        raise ValueError(f"topology_figure: the frame has no 'rank' (index or column; its columns: {list(frame.columns)}); "
-                         f"expected {TOPOLOGY[1]}")
+        raise ValueError(f"topology_figure: the frame has no 'rank' (index or column; its columns: "
+                         f"{list(frame.columns)}); expected {TOPOLOGY[1]}")
     if "cp" not in df:
         df["cp"] = 0
     tp_n, cp_n, dp_n = int(df.tp.max()) + 1, int(df.cp.max()) + 1, int(df.dp.max()) + 1
