@@ -471,6 +471,7 @@ def test_reset_half_way_then_the_step_equals_an_uninterrupted_one(cluster, dropo
         state = session.state()
         assert (state.activation_bytes == 0).all() and (state.held_count == 0).all(), actions
         assert len(session.traces()["events"]) == len(session.traces()["comm"]) == 0
+        assert len(session.traces()["memory"]) == 0                  # memory rows go with the step
         rows = [session.step() for _ in range(2)]
         for got, want in zip(rows, reference):
             assert got["loss"] == pytest.approx(want["loss"], abs=1e-6), (actions, rows, reference)
@@ -480,6 +481,10 @@ def test_reset_half_way_then_the_step_equals_an_uninterrupted_one(cluster, dropo
             sorted(map(tuple, ref_traces["events"][keys].values.tolist())), actions
         assert traces["comm"].groupby(["rank", "axis", "step"]).wire_bytes.sum().to_dict() == \
             ref_traces["comm"].groupby(["rank", "axis", "step"]).wire_bytes.sum().to_dict(), actions
+        mem = ["rank", "action", "microbatch", "chunk", "step", "parameters", "gradients", "optimizer",
+               "activations", "activations_peak"]
+        assert sorted(map(tuple, traces["memory"][mem].values.tolist())) == \
+            sorted(map(tuple, ref_traces["memory"][mem].values.tolist())), actions
         session.close()
 
 

@@ -16,7 +16,8 @@ checkpoint's own hooks: one layer's activations at a time, on top of the count).
 rows also carry ``torch.cuda.memory_allocated``/``reserved`` and the peak since the previous row.
 
 One row per schedule action (recorded by the executor): time, action, microbatch, and the bytes of
-each category at the end of the action, plus the activation peak during it.
+each category at the end of the action, plus the activation peak during it, and the optimizer step
+(as in the tracer's rows: a step abandoned and run again keeps only the rows of the run that finished).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 
@@ -33,7 +34,7 @@ from mlmkit.tensor_parallel.layers import param_grad
 __all__ = ["MEMORY_COLUMNS", "MemoryTracker"]
 
 MEMORY_COLUMNS = ("rank", "time", "action", "microbatch", "chunk", "parameters", "gradients", "optimizer",
-                  "activations", "activations_peak", "cuda_allocated", "cuda_reserved", "cuda_peak")
+                  "activations", "activations_peak", "cuda_allocated", "cuda_reserved", "cuda_peak", "step")
 
 
 def _whole_bytes(p: torch.Tensor) -> int:
@@ -70,6 +71,8 @@ class MemoryTracker:
         self.activations = 0
         self.peak = 0
         self.rows: list[tuple] = []
+        self.step = 0                        # the optimizer step written into every row (the trainer sets it)
+        self._mark: Optional[int] = None     # rows at the start of the step in progress (see rewind)
         self.cuda = torch.cuda.is_available()
 
     # -------------------------------------------------------------- saved tensors
@@ -167,7 +170,7 @@ class MemoryTracker:
         cuda = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), torch.cuda.max_memory_allocated()) \
             if self.cuda else (0, 0, 0)
         self.rows.append((self.rank, time.perf_counter(), action, microbatch, chunk, self.parameter_bytes(),
-                          self.gradient_bytes(), self.optimizer_bytes(), self.activations, self.peak, *cuda))
+                          self.gradient_bytes(), self.optimizer_bytes(), self.activations, self.peak, *cuda, self.step))
         self.peak = self.activations
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -179,6 +182,26 @@ class MemoryTracker:
 
     def clear(self) -> None:
         self.rows.clear()
+        if self._mark is not None:
+            self._mark = 0                   # a step in progress: its rows so far are gone too
+
+    def mark(self) -> None:
+        """Remember where the rows stand (a step begins), for :meth:`rewind`; the activation peak
+        starts again from what is held now (not from an abandoned step's)."""
+        self._mark = len(self.rows)
+        self.peak = self.activations
+
+    def rewind(self) -> None:
+        """Drop the rows recorded since :meth:`mark` (an abandoned step, run again from its start:
+        its partial rows would read as part of that step). The byte counts are not rows: what the
+        abandoned step held is released when its graph is dropped."""
+        if self._mark is not None:
+            del self.rows[self._mark:]
+            self._mark = None
+
+    def unmark(self) -> None:
+        """The step finished: its rows stay."""
+        self._mark = None
 
     def __repr__(self) -> str:
         return (f"MemoryTracker(rank={self.rank}, parameters={self.parameter_bytes()} B, "

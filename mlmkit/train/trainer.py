@@ -127,6 +127,9 @@ class Trainer:
         self.optimizer.zero_grad()
         self.tracer.step = self.step           # this step's rows are told apart from the others'
         self.tracer.mark()                     # an abandoned step's rows are dropped
+        if self.memory is not None:
+            self.memory.step = self.step
+            self.memory.mark()
         self._t0 = time.perf_counter()
         self.executor.start_step(tokens[lo:lo + n], targets[lo:lo + n], loss_scale=scale)
 
@@ -136,6 +139,8 @@ class Trainer:
         dropout streams go back to where the step found them."""
         self.executor.abandon()
         self.tracer.rewind()                   # run again, the step records its rows anew
+        if self.memory is not None:
+            self.memory.rewind()
         self.optimizer.zero_grad()
         if self.zero3 is not None:
             self.zero3.reset()
@@ -158,6 +163,7 @@ class Trainer:
         self._rng_at_begin = None          # the step is done: nothing to put back
         self.tracer.unmark()
         if self.memory is not None:
+            self.memory.unmark()
             self.memory.record(action="optimizer", microbatch=-1)
         elapsed = time.perf_counter() - (self._t0 or time.perf_counter())
         tokens = self.config.global_batch_size * self.config.model.seq_len
