@@ -190,6 +190,8 @@ class MemoryTracker:
         starts again from what is held now (not from an abandoned step's)."""
         self._mark = len(self.rows)
         self.peak = self.activations
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
 
     def rewind(self) -> None:
         """Drop the rows recorded since :meth:`mark` (an abandoned step, run again from its start:
