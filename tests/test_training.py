@@ -523,6 +523,23 @@ def test_bad_cli_flags_fail_before_any_process_group(flags, needle):
     assert out.returncode != 0 and needle in out.stderr, out.stderr[-2000:]
 
 
+def test_a_batch_rank_dying_in_cpp_shows_where(tmp_path):
+    # A rank aborted by a library (C++ std::terminate, a segfault) left only "Signal 6 (SIGABRT)"
+    # in the job's log. The entry point now has faulthandler print every thread's Python stack.
+    code = ("import os, sys\n"
+            "import mlmkit.train.trainer as trainer\n"
+            "from mlmkit.train.__main__ import main\n"
+            "def dies_in_cpp(self):\n"
+            "    os.abort()\n"
+            "trainer.Trainer.train_step = dies_in_cpp\n"
+            "sys.exit(main(['--tp', '1', '--pp', '1', '--steps', '1']))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=str(tmp_path))
+    assert out.returncode != 0
+    assert "Fatal Python error: Aborted" in out.stderr, out.stderr[-2000:]
+    assert "dies_in_cpp" in out.stderr and "in main" in out.stderr, out.stderr[-2000:]
+
+
 @pytest.mark.parametrize("corpus,needle", [
     ("missing.txt", "does not exist"), (".", "is a directory"),
     ("short.txt", "has 5 bytes (tokens), too few for one window of seq_len+1=33")])

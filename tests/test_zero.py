@@ -313,7 +313,8 @@ def test_cli_zero3_matches_the_serial_run(tmp_path):
 
     def run(cmd):
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=str(tmp_path))
-        assert out.returncode == 0, out.stderr[:3000] + "\n...\n" + out.stderr[-1500:]
+        assert out.returncode == 0, ("stdout:\n" + out.stdout[-1500:] + "\nstderr:\n" + out.stderr[:3000] + "\n...\n"
+                                     + out.stderr[-1500:])
         return out.stdout, [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
     flags = ["-m", "mlmkit.train", "--tp", "1", "--pp", "1", "--steps", "2", "--micro-batch-size", "2"]

@@ -10,6 +10,7 @@ show them.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
@@ -165,6 +166,9 @@ def main(argv=None) -> int:
     if args.print_world_size:
         print(cfg.topology.world_size)
         return 0
+    # A rank that dies in C++ (an abort in a library, a segfault) prints every thread's Python stack
+    # on stderr, which torchrun and Slurm keep; otherwise the job log says only "Signal 6".
+    faulthandler.enable(all_threads=True)
     import torch
 
     from mlmkit.distributed import ProcessGroups, init_distributed
