@@ -77,8 +77,8 @@ def harness():
 # ------------------------------------------------------------------------------ injections (engine side)
 def _inject(state, sid, point, kind):
     """Make this rank fail once at ``point``: an action index of its schedule, "finalize" or
-    "optimizer". ``kind``: "raise", "kill" (SIGKILL itself), "hang" (sleep far past the bound),
-    "slow" (sleep 1.5 s, interruptible)."""
+    "optimizer". ``kind``: "raise", "kill" (SIGKILL itself), "abort" (a crash in C++: SIGABRT),
+    "hang" (sleep far past the bound), "slow" (sleep 1.5 s, interruptible)."""
     import os
     import signal
     import time
@@ -91,6 +91,8 @@ def _inject(state, sid, point, kind):
             raise RuntimeError(f"injected failure at {point}")
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if kind == "abort":
+            os.abort()
         time.sleep(600 if kind == "hang" else 1.5)
 
     def once(obj, name, when=lambda: True):
@@ -209,9 +211,30 @@ def test_engine_killed_mid_step(harness):
         session.step()
     assert time.monotonic() - t0 < REPORT_S
     assert info.value.rank == 2 and alive([pids[2]]) == []
+    assert "crashed" not in str(info.value)    # killed: nothing to show
     harness.check_next_step()                # rank 2 replaced, the last finished step reloaded
     now = harness.engine_pids()
     assert now[2] != pids[2] and [now[r] for r in (0, 1, 3)] == [pids[r] for r in (0, 1, 3)]
+
+
+def test_engine_crashing_in_cpp_is_reported_with_its_stack(harness):
+    # An engine aborted by a library (std::terminate, a segfault) was reported as "died" and no
+    # more: the user had no way to tell where. faulthandler writes the crash into the rank's stack
+    # file and EngineDied shows the thread that ran the step. The replacement engine's file starts
+    # empty: a later death of that rank is not reported with this crash.
+    cluster, session = harness.cluster, harness.session
+    cluster.run(_inject, session.id, 3, "abort", ranks=[1])
+    with pytest.raises(EngineDied) as info:
+        session.step()
+    text = str(info.value)
+    assert info.value.rank == 1 and "Fatal Python error: Aborted" in text, text
+    assert "in fire" in text and "mlmkit/cluster/engine.py" in text and "Extension modules" not in text, text
+    harness.check_next_step()                # rank 1 replaced
+    cluster.run(_inject, harness.session.id, 2, "kill", ranks=[1])
+    with pytest.raises(EngineDied) as info:
+        harness.session.step()
+    assert info.value.rank == 1 and "crashed" not in str(info.value), str(info.value)
+    harness.check_next_step()
 
 
 def test_engine_killed_between_cells(harness):

@@ -709,7 +709,9 @@ class Cluster:
         if dead:
             self._doomed.update(dead)
             r = sorted(dead)[0]
-            raise EngineDied(r, f"the engine of rank {r} (pid {self.info[r]['pid']}) died", others=others, note=note)
+            crash = self._crash_stack(r)
+            raise EngineDied(r, f"the engine of rank {r} (pid {self.info[r]['pid']}) died"
+                                + (f"; it crashed:\n{crash}" if crash else ""), others=others, note=note)
         r = _root_cause(failures)
         others.pop(r, None)
         raise RankError(r, failures[r][1], others=others, note=note)
@@ -764,6 +766,22 @@ class Cluster:
             except OSError:
                 out[r] = ""
         return out
+
+    def _crash_stack(self, rank: int) -> str:
+        """What faulthandler wrote when the engine of ``rank`` crashed (a fatal signal): the error
+        and the stack of the thread that ran the driver's call; empty if it was killed (SIGKILL,
+        out of memory) or runs on another host."""
+        f = self._stack_file(rank)
+        try:
+            text = open(f).read() if f else ""
+        except OSError:
+            return ""
+        at = text.rfind("Fatal Python error")
+        if at < 0:
+            return ""
+        first, _, rest = text[at:].partition("\n")
+        rest = rest.split("\nExtension modules:")[0]        # faulthandler's list of C modules: noise here
+        return (first + "\n" + _task_thread(rest)).strip()
 
     def _kill(self, ranks) -> None:
         for r in ranks:

@@ -102,9 +102,14 @@ class EngineState:
             self._watchdog = threading.Thread(target=_watch_driver, args=(driver_pid, driver_token), daemon=True)
             self._watchdog.start()
         if stack_file:
-            # Append mode: the driver truncates the file before asking for a fresh dump.
+            # Append mode: the driver truncates the file before asking for a fresh dump. Emptied
+            # first: a replaced engine's crash must not be read as this one's.
+            open(stack_file, "w").close()
             self._stack_out = open(stack_file, "a")
             faulthandler.register(signal.SIGUSR1, file=self._stack_out, all_threads=True)
+            # A fatal error (an abort in a library, a segfault) leaves every thread's stack there
+            # too: the driver's EngineDied shows where the engine was when it crashed.
+            faulthandler.enable(file=self._stack_out, all_threads=True)
         _freeze_imports()
         return {"rank": rank, "device": str(self.device), "threads": torch.get_num_threads(), "backend": self.backend}
 
