@@ -65,10 +65,24 @@ def _die_on_rank_0(rank, world_size):
     time.sleep(3600)
 
 
+def _crash_in_cpp_on_rank_1(rank, world_size):
+    if rank == 1:
+        os.abort()                      # what std::terminate or a failed assertion in a library does
+    time.sleep(3600)
+
+
 def test_rank_that_dies_is_reported():
     with pytest.raises(RankFailure) as info:
         run_ranks(_die_on_rank_0, world_size=2, timeout_s=30)
     assert info.value.rank == 0 and info.value.exitcode == 7
+    assert "Fatal Python error" not in str(info.value)
+    # A crash says where: faulthandler's stack of the crashed rank (it said only "exited with code -6").
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_crash_in_cpp_on_rank_1, world_size=2, timeout_s=30)
+    text = str(info.value)
+    assert info.value.rank == 1 and info.value.exitcode == -6, text
+    assert "Fatal Python error: Aborted" in text and "_crash_in_cpp_on_rank_1" in text, text
+    assert "Extension modules" not in text, text
 
 
 def test_bad_world_size():

@@ -75,6 +75,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kw
     # Runs in the child. Report exactly one message: ("ok", pickled result) or ("error", traceback).
     with open(stack_file, "w") as stack_out:
         faulthandler.register(signal.SIGUSR1, file=stack_out, all_threads=False)
+        faulthandler.enable(file=stack_out, all_threads=False)   # a crash in C++ says where it was
         try:
             import torch
             import torch.distributed as dist
@@ -168,7 +169,7 @@ def _run_once(fn, world_size, args, kwargs, timeout_s, collective_timeout_s, thr
                 rank = None
             if rank is not None:
                 if status == "error":
-                    _raise_first_failure({rank: payload}, results, procs, done)
+                    _raise_first_failure({rank: payload}, results, procs, done, stack_files)
                 done[rank] = pickle.loads(payload)
                 continue
             for r, p in enumerate(procs):
@@ -177,11 +178,9 @@ def _run_once(fn, world_size, args, kwargs, timeout_s, collective_timeout_s, thr
                     try:
                         rank, status, payload = results.get(timeout=0.5)
                     except queue_mod.Empty:
-                        raise RankFailure(
-                            r, f"process exited with code {p.exitcode} without a result "
-                               f"(killed, crashed or called os._exit)", exitcode=p.exitcode) from None
+                        raise RankFailure(r, _silent_exit(p.exitcode, stack_files[r]), exitcode=p.exitcode) from None
                     if status == "error":
-                        _raise_first_failure({rank: payload}, results, procs, done)
+                        _raise_first_failure({rank: payload}, results, procs, done, stack_files)
                     done[rank] = pickle.loads(payload)
                     break
             if time.monotonic() > deadline:
@@ -207,7 +206,20 @@ def _run_once(fn, world_size, args, kwargs, timeout_s, collective_timeout_s, thr
             pass
 
 
-def _raise_first_failure(errors: dict, results, procs, done, grace_s: float = 0.5) -> None:
+def _silent_exit(exitcode, stack_file: str) -> str:
+    """Why a rank exited without a result, with what faulthandler wrote if it crashed."""
+    text = f"process exited with code {exitcode} without a result (killed, crashed or called os._exit)"
+    try:
+        dump = open(stack_file).read()
+    except OSError:
+        return text
+    at = dump.rfind("Fatal Python error")
+    if at < 0:
+        return text
+    return text + ":\n" + dump[at:].split("\nExtension modules:")[0].strip()
+
+
+def _raise_first_failure(errors: dict, results, procs, done, stack_files, grace_s: float = 0.5) -> None:
     """Wait ``grace_s`` for more failures, then raise for the one that caused the others.
 
     A rank that raises or dies makes its peers fail too (their collective loses its partner). A
@@ -226,8 +238,7 @@ def _raise_first_failure(errors: dict, results, procs, done, grace_s: float = 0.
               and p.exitcode is not None and p.exitcode != 0]
     if silent:
         r = silent[0]
-        err = RankFailure(r, f"process exited with code {procs[r].exitcode} without a result "
-                             f"(killed, crashed or called os._exit)", exitcode=procs[r].exitcode)
+        err = RankFailure(r, _silent_exit(procs[r].exitcode, stack_files[r]), exitcode=procs[r].exitcode)
         err.others = {k: tb for k, (_, tb) in errors.items()}
         raise err
     first = min(errors, key=lambda r: (errors[r][0], r))
