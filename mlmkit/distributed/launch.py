@@ -102,6 +102,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kw
             results.put((rank, "ok", pickle.dumps(result)))
         except BaseException:  # noqa: BLE001
             results.put((rank, "error", (time.monotonic(), traceback.format_exc())))
+        finally:
+            faulthandler.disable()              # the file closes here: nothing may write to it after
+            faulthandler.unregister(signal.SIGUSR1)
 
 
 _CTX = None
