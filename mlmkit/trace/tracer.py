@@ -18,7 +18,8 @@ COMM_COLUMNS = (
 #: Columns of :meth:`Tracer.event_frame` (schedule actions), with the optimizer step of each.
 EVENT_COLUMNS = ("rank", "action", "microbatch", "chunk", "start", "end", "step")
 #: Columns of :meth:`Tracer.ring_frame`: one row per ring-attention step (context parallelism):
-#: the layer's site, forward or backward, the step, the cp rank whose keys/values were used
+#: the layer's site, forward or backward, the ring step (``step`` here, not the optimizer step of
+#: the other frames), the cp rank whose keys/values were used
 #: (``src``, an index in the cp group), the (query, key) pairs computed, and the compute time.
 RING_COLUMNS = ("rank", "site", "phase", "step", "src", "pairs", "start", "end")
 #: Columns of :meth:`Tracer.moe_frame`: one row per mixture-of-experts layer call on a rank: the
