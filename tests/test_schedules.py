@@ -219,6 +219,46 @@ def test_wrong_peer_and_unknown_kind():
         _table([(0, "FWD", 0, None)])
 
 
+LOCAL_HANDOFFS = [("zb-v", p, m, 2) for p in (1, 2, 4) for m in (p, 2 * p + 1)] + \
+    [("dualpipev", p, m, 2) for p in (1, 2, 4) for m in (2 * p, 2 * p + 2)] + \
+    [("interleaved-1f1b", 1, m, v) for m in (2, 5) for v in (2, 3)]
+
+
+@pytest.mark.parametrize("name,p,m,v", LOCAL_HANDOFFS)
+def test_a_handoff_in_memory_out_of_order_is_named(name, p, m, v):
+    # Neighbouring virtual stages on one rank (the tip of a V; every stage when p=1) hand over
+    # without a message, so no receive waits for the producer: the dry run cannot see the order.
+    # Each consumer moved to just before its producer (every such pair, every microbatch) is
+    # refused with the pair named; the executor would otherwise fail on one rank mid-step, and
+    # simulate() would time a step no run can have.
+    from dataclasses import replace
+    base = validate(make_schedule(name, stages=p, microbatches=m, chunks=v, layers=12))
+    moved = 0
+    for r in range(p):
+        for c in range(v):
+            vs = base.virtual_stage(r, c)
+            if vs == 0 or base.rank_of(vs - 1)[0] != r:
+                continue
+            low = base.rank_of(vs - 1)[1]
+            for mb in range(m):
+                acts = list(base.actions[r])
+                back = lambda chunk: next(a for a in acts if a.kind in "BI" and (a.microbatch, a.chunk) == (mb, chunk))
+                for consumer, producer, what in ((Action("F", mb, c), Action("F", mb, low), "forward"),
+                                                 (back(low), back(c), "backward")):
+                    order = [a for a in acts if a != consumer]
+                    order.insert(order.index(producer), consumer)
+                    bad = replace(base, actions=base.actions[:r] + (tuple(order),) + base.actions[r + 1:])
+                    with pytest.raises(ScheduleError, match=rf"rank {r}, action #{order.index(consumer)} "
+                                                            rf"{consumer.kind}\(mb={mb}(, chunk=\d)?\): {what} of "
+                                                            rf"microbatch {mb}, chunk \d before the {what} .*hand over "
+                                                            rf"in memory"):
+                        validate(bad)
+                    with pytest.raises(ScheduleError, match="in memory"):
+                        simulate(bad, UNIFORM)
+                    moved += 1
+    assert moved == 2 * m * (v - 1 if p == 1 else 1)          # one pair per rank at a V's tip, v - 1 on one rank
+
+
 def test_compute_only_table_gets_communication():
     rows = [{"rank": r, "kind": k, "microbatch": mb} for r in (0, 1) for k, mb in (("F", 0), ("F", 1), ("B", 0), ("B", 1))]
     s = schedule_from_table(rows, add_communication=True)

@@ -9,7 +9,9 @@ Pure planning code. Checks, in order:
 3. each compute action has its data: a stage's F is preceded by the RECV_ACT of that microbatch
    (except on the first virtual stage, or when the previous stage is on the same rank: the tip of
    a V) and followed by its SEND_ACT (except on the last); likewise B or I with RECV_GRAD /
-   SEND_GRAD;
+   SEND_GRAD; where two neighbouring stages share a rank (the tip of a V, or every stage on one
+   rank) and hand over without a message, the lower stage's F comes before the upper one's and
+   the upper stage's backward (B or I) before the lower one's;
 4. a dry run of the send/receive graph (:func:`mlmkit.pipeline.simulate.dry_run`, unit costs):
    nothing deadlocks, nothing is left unreceived, and with ``ordered=True`` (a transport without
    tags: NCCL without batching) every receive gets the message it expects in send order;
@@ -49,6 +51,8 @@ def validate(schedule: Schedule, *, batched: bool = False, ordered: bool = False
             vs = schedule.virtual_stage(r, c)
             for mb in range(m):
                 _check_microbatch(schedule, r, c, mb, vs, last, seen)
+        for c in range(v):
+            _check_local_handoffs(schedule, r, c, seen)
     dry_run(schedule, Costs(forward=1.0, backward=1.0, weight=1.0), ordered=ordered)
     if batched:
         from mlmkit.pipeline.batching import plan_batches
@@ -129,3 +133,30 @@ def _check_microbatch(schedule: Schedule, r: int, c: int, mb: int, vs: int, last
             missing = "is missing" if pos is None else f"comes {'after' if when == 'before' else 'before'} it (action #{pos})"
             raise ScheduleError(f"{kind} for {tag} must come {when} this action but {missing}",
                                 rank=r, index=anchor, action=acts[anchor])
+
+
+def _check_local_handoffs(schedule: Schedule, r: int, c: int, seen: dict) -> None:
+    # The stage below chunk c's on this same rank hands its output over in memory (no message the
+    # dry run could wait for), so this rank's own order must put the producer first.
+    vs = schedule.virtual_stage(r, c)
+    if vs == 0:
+        return
+    rank, lower = schedule.rank_of(vs - 1)
+    if rank != r:
+        return
+    acts = schedule.actions[r]
+    pair = f"virtual stages {vs - 1} (chunk {lower}) and {vs} (chunk {c}) are both on rank {r}"
+    for mb in range(schedule.microbatches):
+        f_low, f_up = seen[("F", mb, lower)], seen[("F", mb, c)]
+        if f_up < f_low:
+            raise ScheduleError(
+                f"forward of microbatch {mb}, chunk {c} before the forward it takes its input from (action "
+                f"#{f_low}, chunk {lower}): {pair} and hand over in memory, without a message; put chunk "
+                f"{lower}'s F first", rank=r, index=f_up, action=acts[f_up])
+        b_up = seen.get(("B", mb, c), seen.get(("I", mb, c)))
+        b_low = seen.get(("B", mb, lower), seen.get(("I", mb, lower)))
+        if b_low < b_up:
+            raise ScheduleError(
+                f"backward of microbatch {mb}, chunk {lower} before the backward whose input gradient it takes "
+                f"(action #{b_up}, chunk {c}): {pair} and hand over in memory, without a message; put chunk "
+                f"{c}'s backward first", rank=r, index=b_low, action=acts[b_low])
