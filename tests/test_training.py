@@ -398,6 +398,114 @@ def test_crash_between_shard_writes_keeps_previous_checkpoint(tmp_path):
     assert load_checkpoint(trainer, directory) == 1
 
 
+def _mid_step_checkpoints(rank, world_size, cfg_dict, directory):
+    # At every point of a step (the ranks' positions after each of the step's actions in a lockstep
+    # order that never blocks, the last one all actions done before the optimizer): saving and
+    # loading are refused on every rank, before any collective (no rank waits for the others),
+    # without writing and without touching the trainer, which then finishes the step.
+    from mlmkit.pipeline.cursor import ScheduleCursor
+
+    torch.set_num_threads(1)
+    cfg = TrainConfig.from_dict(cfg_dict)
+    groups = ProcessGroups.build(cfg.topology)
+    trainer = Trainer(cfg, groups=groups)
+    trainer.train_step()
+    save_checkpoint(trainer, directory)
+    cursor = ScheduleCursor(trainer.schedule)
+    prefixes = [list(cursor.index)]
+    while cursor.runnable():
+        cursor.advance(cursor.runnable()[0])
+        prefixes.append(list(cursor.index))
+    refused = []
+    for prefix in prefixes:
+        trainer.begin_step()
+        for _ in range(prefix[groups.coords.pp]):
+            trainer.executor.step_action()
+        for call in (lambda: save_checkpoint(trainer, directory), lambda: load_checkpoint(trainer, directory)):
+            try:
+                call()
+            except RuntimeError as err:
+                refused.append(str(err))
+        while not trainer.executor.done:
+            trainer.executor.step_action()
+        trainer.finish_step()
+    assert sorted(os.listdir(directory)) == ["latest", "step_000001"]
+    reference = Trainer(cfg, groups=groups)
+    losses = [reference.train_step()["loss"] for _ in range(len(prefixes) + 1)]
+    return {"prefixes": [p[groups.coords.pp] for p in prefixes], "actions": len(trainer.executor.actions),
+            "refused": refused, "losses": [h["loss"] for h in trainer.history], "reference": losses}
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
+def test_a_step_in_progress_is_neither_saved_nor_loaded_into(schedule, tmp_path):
+    cfg = BASE.replace(pp=2, schedule=schedule, chunks=2 if schedule == "zb-v" else 1, global_batch_size=8,
+                       max_steps=200, model={"dropout": 0.1})
+    results = run_ranks(_mid_step_checkpoints, world_size=2, args=(cfg.to_dict(), str(tmp_path / "ck")),
+                        timeout_s=120)
+    for rank, r in enumerate(results):
+        n = r["actions"]
+        assert len(r["refused"]) == 2 * len(r["prefixes"]) and r["prefixes"][-1] == n
+        for step, (done, save, load) in enumerate(zip(r["prefixes"], r["refused"][::2], r["refused"][1::2]), 1):
+            where = f"action {done} of {n} done" if done < n else "its actions done, the optimizer step not yet taken"
+            assert save.startswith(f"save_checkpoint: step {step} is in progress on rank {rank} ({where})"), save
+            assert "dropout masks" in save and "trainer.abandon_step()" in save
+            assert load.startswith(f"load_checkpoint: step {step} is in progress on rank {rank} ({where})"), load
+        if r["losses"][0] is not None:                     # the last stage's rank: refused calls changed nothing
+            assert r["losses"] == r["reference"]
+
+
+def test_a_dropped_step_saves_and_resumes_as_if_never_begun(tmp_path):
+    # A step begun and dropped after any number of its actions: saved then, the checkpoint resumes
+    # into the run that never began it (the dropout masks of the step drawn again alike).
+    cfg = BASE.replace(model={"dropout": 0.1}, max_steps=50)
+    reference = Trainer(cfg, groups=ProcessGroups.single())
+    expected = [reference.train_step()["loss"] for _ in range(2)]
+    trainer = Trainer(cfg, groups=ProcessGroups.single())
+    trainer.train_step()
+    n = len(trainer.executor.actions)
+    for done in range(n + 1):
+        trainer.begin_step()
+        for _ in range(done):
+            trainer.executor.step_action()
+        with pytest.raises(RuntimeError, match="in progress"):
+            save_checkpoint(trainer, str(tmp_path / f"ck{done}"))
+        trainer.abandon_step()
+        save_checkpoint(trainer, str(tmp_path / f"ck{done}"))
+        resumed = Trainer(cfg, groups=ProcessGroups.single())
+        assert load_checkpoint(resumed, str(tmp_path / f"ck{done}")) == 1
+        assert resumed.train_step()["loss"] == expected[1], done
+
+
+def test_torn_weights_are_not_saved_and_loading_mends_them(tmp_path):
+    # A failure while the optimizer changes the weights leaves them torn: saving them is refused;
+    # loading the last checkpoint replaces them and the trainer trains on.
+    trainer = Trainer(BASE, groups=ProcessGroups.single())
+    trainer.train_step()
+    directory = save_checkpoint(trainer, str(tmp_path / "ck"))
+    trainer.begin_step()
+    while not trainer.executor.done:
+        trainer.executor.step_action()
+    real_step = trainer.optimizer.step
+
+    def fail_half_way(**kw):
+        with torch.no_grad():
+            next(iter(trainer.chunks[0].parameters())).add_(1.0)
+        raise RuntimeError("injected")
+    trainer.optimizer.step = fail_half_way
+    with pytest.raises(RuntimeError, match="injected"):
+        trainer.finish_step()
+    trainer.optimizer.step = real_step
+    trainer.abandon_step()
+    assert trainer.updating
+    with pytest.raises(RuntimeError, match=r"save_checkpoint: rank 0 failed while the optimizer was updating the "
+                                           r"weights of step 1, so its weights are torn"):
+        save_checkpoint(trainer, str(tmp_path / "ck"))
+    assert load_checkpoint(trainer, directory) == 1 and not trainer.updating
+    reference = Trainer(BASE, groups=ProcessGroups.single())
+    reference.train_step()
+    assert trainer.train_step()["loss"] == reference.train_step()["loss"]
+
+
 @pytest.fixture(scope="module")
 def small_checkpoint(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("ck") / "run")

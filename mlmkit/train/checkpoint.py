@@ -89,15 +89,39 @@ def _write_file(path: str, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def _check_between_steps(trainer, what: str, *, loading: bool = False) -> None:
+    # Before any collective: in SPMD code every rank is in the same state here, so every rank raises.
+    if trainer.in_step:
+        ex = trainer.executor
+        where = (f"action {ex.index} of {len(ex.actions)} done" if not ex.done
+                 else "its actions done, the optimizer step not yet taken")
+        fix = ("finish it (trainer.finish_step() once the executor is done) or drop it (trainer.abandon_step())"
+               if not loading else "drop it first (trainer.abandon_step()), or load into a new Trainer")
+        raise RuntimeError(
+            f"{what}: step {trainer.step} is in progress on rank {trainer.groups.rank} ({where}); "
+            + ("a checkpoint holds the state between steps, and this one's random streams have already drawn "
+               "part of the step's dropout masks (resumed, the step would not repeat). "
+               if not loading else "its activations and messages belong to the weights it started with. ")
+            + f"{fix[0].upper()}{fix[1:]}")
+    if trainer.updating and not loading:
+        raise RuntimeError(
+            f"{what}: rank {trainer.groups.rank} failed while the optimizer was updating the weights of step "
+            f"{trainer.step}, so its weights are torn (part old, part new); load the last checkpoint instead "
+            f"(load_checkpoint) of saving these")
+
+
 def save_checkpoint(trainer, directory: str, *, keep: Optional[int] = None, _before_write=None) -> str:
     """Write a checkpoint of ``trainer`` at its current step into ``directory``; returns its path.
 
-    Collective over the world. ``keep``: after the switch, delete all but the newest ``keep``
+    Collective over the world. Between steps only: a step in progress (``trainer.in_step``) or weights
+    torn by a failure in the optimizer update raise RuntimeError on every rank before anything is
+    written. ``keep``: after the switch, delete all but the newest ``keep``
     checkpoints of ``directory``. ``_before_write(path)`` is a test hook called before each shard
     write.
     """
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"save_checkpoint: keep={keep!r} must be an integer >= 1 (or None: keep all)")
+    _check_between_steps(trainer, "save_checkpoint")
     groups, cfg = trainer.groups, trainer.config
     name = f"step_{trainer.step:06d}"
     tmp = os.path.join(directory, f".{name}.tmp")
@@ -349,11 +373,15 @@ def _local_slice(full: torch.Tensor, param, tp_size: int, tp_rank: int) -> torch
 def load_checkpoint(trainer, path: str) -> int:
     """Load the checkpoint at ``path`` (a checkpoint folder, or a folder with ``latest``) into ``trainer``,
     whatever layout it was saved in. Returns the step to continue from. Every defect of the files
-    raises :class:`CheckpointError` naming the file."""
+    raises :class:`CheckpointError` naming the file; a trainer with a step in progress raises
+    RuntimeError (drop the step first). Weights torn by a failed optimizer update are replaced."""
+    _check_between_steps(trainer, "load_checkpoint", loading=True)
     path = latest_checkpoint(path)
     try:
         with trainer.full_parameters():               # ZeRO-3: whole while loading, shards refreshed
-            return _load(trainer, path)
+            step = _load(trainer, path)
+        trainer.updating = False                      # a torn update is replaced by whole weights
+        return step
     except CheckpointError:
         raise
     except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as err:

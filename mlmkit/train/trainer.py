@@ -95,6 +95,9 @@ class Trainer:
         self.history: list[dict] = []
         self._t0: Optional[float] = None
         self.updating = False   # True while the optimizer changes weights (a failure then leaves them torn)
+        #: True from :meth:`begin_step` until :meth:`finish_step` or :meth:`abandon_step`: the
+        #: executor holds this step's activations and the random streams have moved on.
+        self.in_step = False
         self._rng_at_begin = None   # the random streams at the start of the step in progress
 
     # ------------------------------------------------------------------ stepping
@@ -131,6 +134,7 @@ class Trainer:
             self.memory.step = self.step
             self.memory.mark()
         self._t0 = time.perf_counter()
+        self.in_step = True
         self.executor.start_step(tokens[lo:lo + n], targets[lo:lo + n], loss_scale=scale)
 
     def abandon_step(self) -> None:
@@ -138,6 +142,7 @@ class Trainer:
         unless the failure hit during the optimizer update (then :attr:`updating` stays True). The
         dropout streams go back to where the step found them."""
         self.executor.abandon()
+        self.in_step = False
         self.tracer.rewind()                   # run again, the step records its rows anew
         if self.memory is not None:
             self.memory.rewind()
@@ -160,6 +165,7 @@ class Trainer:
         self.updating = True
         grad_norm = self.optimizer.step(lr=lr)
         self.updating = False
+        self.in_step = False
         self._rng_at_begin = None          # the step is done: nothing to put back
         self.tracer.unmark()
         if self.memory is not None:
