@@ -476,6 +476,32 @@ def test_a_dropped_step_saves_and_resumes_as_if_never_begun(tmp_path):
         assert resumed.train_step()["loss"] == expected[1], done
 
 
+def test_a_step_is_begun_once_and_finished_once():
+    # Begun again half-way, a step would be dropped after its dropout masks were drawn (the run then
+    # differs from the uninterrupted one); finished twice, the optimizer would step again on the
+    # same gradients. Both are refused at every point, and the run goes on exactly.
+    cfg = BASE.replace(model={"dropout": 0.1}, max_steps=50)
+    reference = Trainer(cfg, groups=ProcessGroups.single())
+    expected = [reference.train_step()["loss"] for _ in range(3)]
+    trainer = Trainer(cfg, groups=ProcessGroups.single())
+    with pytest.raises(RuntimeError, match=r"finish_step: no step in progress on rank 0 \(step 0 has not begun"):
+        trainer.finish_step()                               # a new trainer: no gradients to apply
+    n = len(trainer.executor.actions)
+    trainer.begin_step()
+    for done in range(n + 1):
+        where = f"action {done} of {n} done" if done < n else "its actions done"
+        for call in (trainer.begin_step, trainer.train_step):
+            with pytest.raises(RuntimeError, match=rf"begin_step: step 0 is already in progress on rank 0 \({where}\)"):
+                call()
+        if done < n:
+            trainer.executor.step_action()
+    assert trainer.finish_step()["loss"] == expected[0]
+    with pytest.raises(RuntimeError, match=r"finish_step: no step in progress on rank 0 \(step 1 has not begun; the "
+                                           r"one before is finished\)"):
+        trainer.finish_step()
+    assert [trainer.train_step()["loss"] for _ in range(2)] == expected[1:]
+
+
 def test_torn_weights_are_not_saved_and_loading_mends_them(tmp_path):
     # A failure while the optimizer changes the weights leaves them torn: saving them is refused;
     # loading the last checkpoint replaces them and the trainer trains on.
@@ -500,6 +526,10 @@ def test_torn_weights_are_not_saved_and_loading_mends_them(tmp_path):
     with pytest.raises(RuntimeError, match=r"save_checkpoint: rank 0 failed while the optimizer was updating the "
                                            r"weights of step 1, so its weights are torn"):
         save_checkpoint(trainer, str(tmp_path / "ck"))
+    for call in (trainer.begin_step, trainer.train_step):
+        with pytest.raises(RuntimeError, match=r"begin_step: rank 0 failed while the optimizer was updating the "
+                                               r"weights of step 1, so they are torn .* load the last checkpoint"):
+            call()
     assert load_checkpoint(trainer, directory) == 1 and not trainer.updating
     reference = Trainer(BASE, groups=ProcessGroups.single())
     reference.train_step()

@@ -113,6 +113,14 @@ class Trainer:
 
     def begin_step(self) -> None:
         """Load this step's batch into the executor; then call ``executor.step_action()`` repeatedly."""
+        if self.in_step:
+            ex = self.executor
+            raise RuntimeError(
+                f"begin_step: step {self.step} is already in progress on rank {self.groups.rank} ("
+                + (f"action {ex.index} of {len(ex.actions)} done" if not ex.done else "its actions done")
+                + "); beginning it again would silently drop it after its dropout masks were drawn. Finish it "
+                  "(finish_step() once the executor is done) or drop it first (abandon_step())")
+        self._refuse_torn("begin_step")
         c = self.config
         self.claim_groups()
         tokens, targets = self.data.batch(self.step, c.global_batch_size)      # the global batch
@@ -137,6 +145,13 @@ class Trainer:
         self.in_step = True
         self.executor.start_step(tokens[lo:lo + n], targets[lo:lo + n], loss_scale=scale)
 
+    def _refuse_torn(self, what: str) -> None:
+        if self.updating:
+            raise RuntimeError(
+                f"{what}: rank {self.groups.rank} failed while the optimizer was updating the weights of step "
+                f"{self.step}, so they are torn (part old, part new); load the last checkpoint "
+                f"(mlmkit.train.checkpoint.load_checkpoint) before training on")
+
     def abandon_step(self) -> None:
         """Drop the step in progress (activations, pending messages, gradients); weights unchanged
         unless the failure hit during the optimizer update (then :attr:`updating` stays True). The
@@ -157,6 +172,11 @@ class Trainer:
 
     def finish_step(self) -> dict:
         """After the schedule ran: optimizer step and metrics (collective over the world)."""
+        if not self.in_step:
+            raise RuntimeError(f"finish_step: no step in progress on rank {self.groups.rank} (step {self.step} has not "
+                               f"begun; the one before is finished): call begin_step() and the schedule's actions "
+                               f"first, or train_step()")
+        self._refuse_torn("finish_step")
         if not self.executor.done:
             raise RuntimeError(f"the schedule is not finished ({self.executor.state().next_action} is next)")
         self.executor.finalize()
