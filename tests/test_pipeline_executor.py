@@ -346,3 +346,79 @@ def test_receives_posted_ahead_change_no_number(pp):
                 for n, g in mine["grads"].items():
                     assert torch.equal(g, base["grads"][n]), (name, k, n)
     assert more, "posting every receive at once never held more than the default lookahead"
+
+
+def _restart_half_way(rank, world_size, name, chunks, batch_p2p):
+    # After each round of a lockstep stepping that never blocks (either communication path), a rank
+    # with actions left refuses a new start_step (its messages are in flight, and the next step's
+    # receives would carry the same tags), and so does one whose actions are done before finalize()
+    # (its gradient sums over stages not made); the step then finishes and equals an uninterrupted one.
+    from mlmkit.pipeline import ScheduleCursor
+    from mlmkit.pipeline.batching import BatchCursor, plan_batches
+
+    torch.set_num_threads(1)
+    groups = ProcessGroups.build(Topology(pp=world_size))
+    m = 2 * world_size
+    schedule = make_schedule(name, stages=world_size, microbatches=m, chunks=chunks, layers=CFG.layers)
+    model_chunks = build_model_chunks(CFG, groups=groups, chunks=chunks, split_backward=schedule.split_backward,
+                                      placement=schedule.placement)
+    ex = PipelineExecutor(schedule=schedule, chunks=model_chunks, groups=groups, batch_p2p=batch_p2p)
+    cursor = BatchCursor(plan_batches(schedule)) if batch_p2p else ScheduleCursor(schedule)
+    me = groups.coords.pp
+    prefixes = [0]
+    while cursor.runnable():
+        if batch_p2p:
+            cursor.advance_round()
+        else:
+            for r in cursor.runnable():
+                cursor.advance(r)
+        prefixes.append((cursor.pos if batch_p2p else cursor.index)[me])
+    tokens, targets = _data(m)
+    refused, losses, done_after = [], [], []
+    for prefix in prefixes:
+        for model in model_chunks:
+            model.zero_grad(set_to_none=True)
+        ex.start_step(tokens, targets)
+        for _ in range(prefix):
+            ex.step_action()
+        done_after.append(ex.done)
+        try:
+            ex.start_step(tokens, targets)
+        except RuntimeError as err:
+            refused.append((ex.index, str(err)))
+        while not ex.done:
+            ex.step_action()
+        ex.finalize()
+        losses.append(ex.loss)
+    grads = {}
+    for chunk in model_chunks:
+        grads.update(gather_full(chunk, grads=True))
+    return {"refused": refused, "losses": losses, "grads": grads, "actions": len(ex.actions),
+            "done_after": done_after}
+
+
+@pytest.mark.parametrize("batch_p2p", [False, True])
+@pytest.mark.parametrize("name,chunks", [("1f1b", 1), ("zb-v", 2)])
+def test_a_step_in_progress_is_not_started_over(name, chunks, batch_p2p):
+    results = run_ranks(_restart_half_way, world_size=2, args=(name, chunks, batch_p2p), timeout_s=120)
+    ref_loss, ref_grads = _serial(4)
+    for rank, r in enumerate(results):
+        n = r["actions"]
+        assert len(r["refused"]) == len(r["done_after"]) and r["done_after"][-1] and not r["done_after"][0]
+        for index, message in r["refused"]:
+            if index < n:
+                assert message.startswith(f"start_step: a step is in progress on pipeline rank {rank} (action "
+                                          f"{index} of {n} done, "), message
+                assert "abandon()" in message
+            else:                                        # every action run, the gradient sums not yet
+                assert message.startswith(f"start_step: the step on pipeline rank {rank} has run its actions but "
+                                          f"not finalize()"), message
+    losses = [r["losses"] for r in results if r["losses"][0] is not None]
+    assert len(losses) == 1 and all(abs(x - ref_loss) <= TOL for x in losses[0])
+    merged = {}
+    for r in results:
+        merged.update(r["grads"])
+    merged["embedding.weight"] = merged.pop("head_weight")   # the tied copies, summed by finalize()
+    assert set(merged) == set(ref_grads)
+    for n, g in merged.items():                          # the last step's gradients: as the serial model's
+        assert (g - ref_grads[n]).abs().max().item() <= TOL, n

@@ -241,6 +241,7 @@ class PipelineExecutor:
         self._step_pos = len(self._steps)
         self.last_step: Optional[str] = None
         self._reset()
+        self._open = False              # a step started and neither finalized nor abandoned
 
     # ---------------------------------------------------------------------- step control
     def _reset(self) -> None:
@@ -262,6 +263,19 @@ class PipelineExecutor:
         per-token mean (a data-parallel trainer passes ``dp / tokens of the global batch``).
         """
         m = self.schedule.microbatches
+        if self._open and not self.done:
+            raise RuntimeError(
+                f"start_step: a step is in progress on pipeline rank {self.pp_rank} (action {self.index} of "
+                f"{len(self.actions)} done, {self.actions[self.index]} next); starting another would drop it with "
+                f"its messages in flight, and on gloo the new step's receives could take the old step's messages "
+                f"(same tags). Finish it (step_action() until done, then finalize()) or drop it with abandon() "
+                f"and run the next step on fresh process groups")
+        if self._open:
+            raise RuntimeError(
+                f"start_step: the step on pipeline rank {self.pp_rank} has run its actions but not finalize(), "
+                f"which waits for its sends and sums the gradients that need every stage (sequence-parallel "
+                f"parameters over tp, the tied embedding over the first and last stage): call finalize() on every "
+                f"rank first, or drop the step with abandon()")
         if tokens.shape[0] % m:
             raise ValueError(f"batch of {tokens.shape[0]} samples does not split into microbatches={m}")
         dev = self.groups.device
@@ -281,6 +295,7 @@ class PipelineExecutor:
         self._reset()
         self.index = 0
         self._step_pos = 0
+        self._open = True
 
     @property
     def done(self) -> bool:
@@ -367,6 +382,7 @@ class PipelineExecutor:
         self._reset()
         self.index = len(self.actions)
         self._step_pos = len(self._steps)
+        self._open = False
 
     def run_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> Optional[float]:
         """A whole step: every action, then gradient finalisation. Returns the mean microbatch loss
@@ -630,3 +646,4 @@ class PipelineExecutor:
             sync_replicated_grads(model, self.groups.tp)
             sync_expert_tp_grads(model, self.groups.expert_tp)
         sync_embedding_grads(self.chunks, self.groups.embedding)
+        self._open = False
