@@ -2,13 +2,15 @@
 torch's ``_PipelineScheduleRuntime`` with PipelineStage modules built from mlmkit's GPT stages, and
 torch's own schedules executed by mlmkit, all against the serial model."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from mlmkit import Topology
 from mlmkit.distributed import ProcessGroups, run_ranks
 from mlmkit.model import GPT, gather_full, tiny_config
-from mlmkit.pipeline import from_torch, make_schedule, simulate, to_torch_csv, validate
+from mlmkit.pipeline import Action, ScheduleError, from_torch, make_schedule, simulate, to_torch_csv, validate
 from mlmkit.pipeline.executor import PipelineExecutor, build_model_chunks, sync_embedding_grads
 
 CFG = tiny_config(layers=8, hidden=32, heads=4, seq_len=8)
@@ -183,3 +185,18 @@ def test_bad_exports_name_the_fix_and_leave_the_file_alone(tmp_path):
         to_torch_csv("1f1b", str(path))
     assert path.read_text() == before
     assert from_torch(path).actions == s.actions                 # a Path reads like its str
+    # A schedule that cannot run right is refused before torch's runtime gets it (torch runs what it
+    # reads: a missing W leaves its weight gradients out, a V's tip out of order runs on no input).
+    v = make_schedule("zb-v", stages=2, microbatches=4, chunks=2)
+    no_w = replace(v, actions=(v.actions[0], tuple(a for a in v.actions[1] if a != Action("W", 3, 1))))
+    tip = list(v.actions[1])
+    f0, f1 = tip.index(Action("F", 0, 0)), tip.index(Action("F", 0, 1))
+    tip[f0], tip[f1] = tip[f1], tip[f0]
+    swapped = replace(v, actions=(v.actions[0], tuple(tip)))
+    for bad, needle in ((no_w, r"rank 1: has no weight-gradient W for microbatch 3, chunk 1"),
+                        (swapped, r"rank 1, action #\d+ F\(mb=0, chunk=1\): forward of microbatch 0, chunk 1 before "
+                                  r"the forward it takes its input from")):
+        for fmt in ("compute_only", "compute_comms"):
+            with pytest.raises(ScheduleError, match=needle):
+                to_torch_csv(bad, str(path), format=fmt)
+    assert path.read_text() == before

@@ -31,6 +31,7 @@ from typing import Optional, Union
 
 from mlmkit.pipeline.batching import plan_batches
 from mlmkit.pipeline.schedule import Schedule, ScheduleError, schedule_from_table
+from mlmkit.pipeline.validate import validate
 
 __all__ = ["from_torch", "to_torch_csv", "torch_rows"]
 
@@ -45,6 +46,9 @@ def torch_rows(schedule: Schedule, *, format: str = "compute_only") -> list[list
                         f"mlmkit.pipeline.make_schedule(name, stages=..., microbatches=...)")
     if format not in ("compute_only", "compute_comms"):
         raise ValueError(f"format={format!r}: expected 'compute_only' or 'compute_comms'")
+    # torch's runtime runs what it is given: a schedule that cannot run right is refused here, with
+    # the rank, the action and the reason, rather than as a hang or wrong gradients there.
+    validate(schedule)
     if format == "compute_comms":
         # torch's runtime posts each message without a tag: messages between two ranks pair in the
         # order they are posted. mlmkit's action order is only right with tags (a V placement sends a
