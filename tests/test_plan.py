@@ -11,7 +11,8 @@ import pytest
 from mlmkit.estimate import estimate_memory
 from mlmkit.model import GPTConfig
 from mlmkit.model.presets import preset
-from mlmkit.pipeline import make_schedule, simulate
+from mlmkit.pipeline import SCHEDULES, make_schedule, simulate
+from mlmkit.pipeline.schedule import V_SCHEDULES
 from mlmkit.plan import GPUS, Hardware, Layout, hardware, plan, predict
 from mlmkit.plan.published import ROWS, comparison
 from mlmkit.plan.timing import pipeline_time
@@ -83,7 +84,24 @@ def test_published_results_within_15_percent_for_most_rows():
     (dict(gpu="tpu-v9"), "unknown GPU 'tpu-v9'"),
     (dict(gpus=0), "gpus=0 must be a positive integer"),
     (dict(speed=3), "unknown constraint(s) ['speed']"),
-    (dict(tp=3), "no layout of 64 GPUs"),
+    (dict(tp=3), "no layout of 64 GPUs divides this job with constraints {'tp': 3} (global_batch_size=256, heads=32, "
+                 "layers=32): tp=3 does not divide the 64 GPUs"),
+    # a layout no search finds: the constraint that rules every one out is named, with the rule
+    (dict(tp=64), "tp=64 does not divide the 32 attention heads"),
+    (dict(micro_batch_size=3), "micro_batch_size=3 does not divide global_batch_size=256"),
+    (dict(dp=16, micro_batch_size=32), "micro_batch_size=32 x dp=16 does not divide global_batch_size=256"),
+    (dict(pp=64), "pp=64 is more stages than the 32 layers"),
+    (dict(tp=8, pp=4, dp=4), "tp x pp x dp = 128 does not divide the 64 GPUs"),
+    (dict(tp=8, cp=1, pp=4, dp=1), "tp x cp x pp x dp = 32, not the 64 GPUs"),
+    (dict(schedule="1f1b", chunks=2), "schedule='1f1b' runs one model chunk per rank: chunks=2 needs "
+                                      "schedule='interleaved-1f1b'"),
+    (dict(schedule="interleaved-1f1b", chunks=1), "schedule='interleaved-1f1b' runs several model chunks per rank: "
+                                                  "chunks=1 is '1f1b'"),
+    (dict(pp=8, chunks=8), "pp=8 x chunks=8 virtual stages are more than the 32 layers"),
+    (dict(gpus=1000), "no tp (dividing the 32 heads) x cp x pp (at most the 32 layers) x dp (dividing the global "
+                      "batch of 256) makes 1000 GPUs"),
+    (dict(global_batch_size=2, pp=4, schedule="interleaved-1f1b"), "each constraint alone leaves layouts, together "
+                                                                   "they leave none"),
     # values no layout can take are named, not searched (they divided by zero, or planned mbs=-1, seq_len=0)
     (dict(tp=0), "tp=0 must be a positive integer"),
     (dict(micro_batch_size=0), "micro_batch_size=0 must be a positive integer"),
@@ -105,6 +123,31 @@ def test_bad_plan_input_names_the_value(kwargs, needle):
     with pytest.raises(ValueError) as info:
         plan(SMALL, **args)
     assert needle in str(info.value)
+
+
+def test_fixed_chunks_and_schedules_are_planned_not_dropped():
+    # A fixed chunk count was matched against 2 and 4 only (chunks=3: "no layout"), and local-cpu,
+    # which simulates every schedule mlmkit runs, refused all but Megatron-LM's two as "no layout".
+    three = plan(SMALL, gpus=64, gpu="h100-sxm", global_batch_size=256, chunks=3, pp=4)
+    assert len(three) and set(three.chunks) == {3} and set(three.schedule) == {"interleaved-1f1b"}
+    hw = _local()
+    for name in SCHEDULES:
+        table = plan(QUICK, gpus=4, gpu=hw, global_batch_size=16, schedule=name)
+        assert len(table) and set(table.schedule) == {name}, name
+        assert set(table.chunks) == ({2} if name in V_SCHEDULES else {2} if name == "interleaved-1f1b" else {1})  # 4 layers
+        for row in table.head(3).itertuples():
+            layout = Layout(tp=row.tp, pp=row.pp, dp=row.dp, chunks=row.chunks, schedule=name,
+                            micro_batch_size=row.micro_batch_size, recompute=row.recompute, zero=row.zero)
+            assert predict(QUICK, hw, layout, global_batch_size=16)["step_time_s"] == row.step_time_s
+    with pytest.raises(ValueError, match=r"schedule='zb-v' runs exactly 2 chunks per rank \(the V\), not chunks=3"):
+        plan(QUICK, gpus=4, gpu=hw, global_batch_size=16, schedule="zb-v", chunks=3)
+    with pytest.raises(ValueError, match=r"schedule='zb-h1': the time model of Megatron-LM's runtime \(h100-sxm\) "
+                                         r"covers 1f1b and interleaved-1f1b; plan with one of them, or on local-cpu"):
+        plan(SMALL, gpus=64, gpu="h100-sxm", global_batch_size=256, schedule="zb-h1")
+    cli = subprocess.run([sys.executable, "-m", "mlmkit.plan", "--model", "gpt3-175b", "--gpus", "64", "--gpu",
+                          "h100-sxm", "--global-batch-size", "64", "--schedule", "zb-v"], capture_output=True, text=True,
+                         timeout=120)
+    assert cli.returncode == 2 and "schedule='zb-v': the time model of Megatron-LM's runtime" in cli.stderr, cli.stderr
 
 
 MOE = GPTConfig(vocab_size=32000, seq_len=1024, hidden=1024, heads=8, kv_heads=4, layers=8, ffn_hidden=2816,

@@ -25,6 +25,7 @@ from mlmkit.model.config import GPTConfig
 from mlmkit.model.presets import PRESETS, preset
 from mlmkit.plan.hardware import GPUS, hardware
 from mlmkit.plan.search import check_request, plan
+from mlmkit.pipeline.schedule import SCHEDULES
 from mlmkit.plan.timing import check_mlmkit_runtime
 
 SHAPE = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab_size", "experts", "top_k")
@@ -43,7 +44,9 @@ def _parse(argv):
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's)")
     for name in ("tp", "cp", "pp", "dp", "ep", "chunks", "micro-batch-size", "zero"):
         p.add_argument(f"--{name}", type=int)
-    p.add_argument("--schedule", choices=["1f1b", "interleaved-1f1b"])
+    p.add_argument("--schedule", choices=list(SCHEDULES),
+                   help="GPU presets model Megatron-LM's 1f1b and interleaved-1f1b (searched by default); "
+                        "local-cpu simulates any of them")
     p.add_argument("--recompute", choices=["none", "selective", "full"])
     for name in SHAPE:
         p.add_argument(f"--{name.replace('_', '-')}", type=int)

@@ -4,7 +4,9 @@
 parallel degrees whose product is the GPU count, for a mixture of experts the expert-parallel
 degrees (dividing the experts and a stage's ``tp x cp x dp`` ranks), Megatron-LM's 1F1B and interleaved 1F1B
 (2 or 4 chunks, when the microbatches allow them), micro-batch sizes, the three recomputation
-choices and ZeRO stages 1 and 3; constraints fix any of these. Only layouts the model can be split
+choices and ZeRO stages 1 and 3; constraints fix any of these (a fixed chunk count is planned as
+given; on mlmkit's own runtime, ``local-cpu``, a fixed schedule may be any that mlmkit runs). When
+no layout is left, the error names the constraint that rules them out and the rule it breaks. Only layouts the model can be split
 into are kept (:meth:`~mlmkit.model.GPTConfig.check_parallel`: the MLP width and the key/value heads
 against tp, the sequence against cp x tp, as a training run checks them). Each layout is predicted by
 :func:`mlmkit.plan.predict`; the table is ranked by tokens per second, layouts that do not fit
@@ -15,10 +17,11 @@ fits, the top rows are the layouts closest to fitting, not the fastest of the im
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional, Sequence
 
 from mlmkit.model.config import GPTConfig
-from mlmkit.pipeline.schedule import MAX_MICROBATCHES
+from mlmkit.pipeline.schedule import MAX_MICROBATCHES, V_SCHEDULES, ScheduleError, make_schedule
 from mlmkit.plan.hardware import Hardware, hardware
 from mlmkit.plan.timing import (MEGATRON_SCHEDULES, Layout, check_ep, check_flash_attention, check_layout_fields,
                                 check_seq_len, divisors, predict)
@@ -54,6 +57,31 @@ def search_space(model: GPTConfig, hw: Hardware, *, gpus: int, global_batch_size
     out = []
     sp = fixed.get("sequence_parallel", True)
     splits, refused = {}, []
+
+    def schedule_options(p: int) -> list[tuple[str, int]]:
+        # Megatron-LM's 1F1B and interleaved 1F1B (2 or 4 chunks) unless a schedule is fixed; mlmkit's
+        # own runtime simulates every schedule mlmkit runs, so a fixed one is planned there as well.
+        names = [fixed["schedule"]] if fixed.get("schedule") is not None else list(MEGATRON_SCHEDULES)
+        out = []
+        for name in names:
+            if name in V_SCHEDULES:
+                chunks = [2]
+            elif name == "interleaved-1f1b":
+                chunks = [fixed["chunks"]] if (fixed.get("chunks") or 1) > 1 else [2, 4]
+            else:
+                chunks = [1]
+            out += [(name, v) for v in chunks if fixed.get("chunks") in (None, v) and (p > 1 or v == 1 or
+                                                                                        name in V_SCHEDULES)]
+        return out
+
+    def schedulable(name: str, p: int, m: int, v: int) -> bool:
+        try:
+            make_schedule(name, stages=p, microbatches=m, chunks=v, layers=model.layers)
+            return True
+        except ScheduleError as err:
+            if str(err) not in refused:
+                refused.append(str(err))
+            return False
 
     def splittable(t: int, cp: int, p: int, v: int, ep: int) -> bool:
         # the model's own rules (a run of this layout would refuse it before starting)
@@ -91,11 +119,10 @@ def search_space(model: GPTConfig, hw: Hardware, *, gpus: int, global_batch_size
                         if reason not in refused:
                             refused.append(reason)
                         continue
-                    scheds = [("1f1b", 1)] + ([("interleaved-1f1b", v) for v in (2, 4)] if p > 1 else [])
-                    for sched, v in scheds:
-                        if fixed.get("schedule") not in (None, sched) or fixed.get("chunks") not in (None, v):
+                    for sched, v in schedule_options(p):
+                        if sched == "interleaved-1f1b" and (m < p or m % p or model.layers < p * v):
                             continue
-                        if v > 1 and (m < p or m % p or model.layers < p * v):
+                        if sched not in MEGATRON_SCHEDULES and not schedulable(sched, p, m, v):
                             continue
                         for rc in options("recompute", ["none", "selective", "full"]):
                             for zero in options("zero", [1, 3] if d * cp > 1 else [1]):
@@ -110,6 +137,58 @@ def search_space(model: GPTConfig, hw: Hardware, *, gpus: int, global_batch_size
                          f"{ {k: v for k, v in fixed.items() if v is not None} or 'none'}): {refused[0]}"
                          + (f" (and {len(refused) - 1} other reason(s))" if len(refused) > 1 else ""))
     return out
+
+
+def _why_no_layout(model: GPTConfig, hw: Hardware, *, gpus: int, global_batch_size: int, seq_len: int,
+                   fixed: dict) -> str:
+    """Which constraint leaves no layout, and what would: the divisibility rules first, then each
+    constraint tried alone."""
+    given = {k: v for k, v in fixed.items() if v is not None}
+    g = given.get
+    rules = []
+    for name in ("tp", "cp", "pp", "dp"):
+        if g(name) and gpus % g(name):
+            rules.append(f"{name}={g(name)} does not divide the {gpus} GPUs")
+    if g("tp") and model.heads % g("tp"):
+        rules.append(f"tp={g('tp')} does not divide the {model.heads} attention heads")
+    if g("pp") and g("pp") > model.layers:
+        rules.append(f"pp={g('pp')} is more stages than the {model.layers} layers")
+    if g("dp") and global_batch_size % g("dp"):
+        rules.append(f"dp={g('dp')} does not divide global_batch_size={global_batch_size}")
+    if g("micro_batch_size") and global_batch_size % (g("micro_batch_size") * (g("dp") or 1)):
+        rules.append(f"micro_batch_size={g('micro_batch_size')}" + (f" x dp={g('dp')}" if g("dp") else "")
+                     + f" does not divide global_batch_size={global_batch_size}")
+    named = [n for n in ("tp", "cp", "pp", "dp") if g(n)]
+    product = math.prod(g(n) for n in named)
+    if len(named) > 1 and gpus % product and all(gpus % g(n) == 0 for n in named):
+        rules.append(f"{' x '.join(named)} = {product} does not divide the {gpus} GPUs")
+    elif len(named) == 4 and product != gpus:
+        rules.append(f"tp x cp x pp x dp = {product}, not the {gpus} GPUs")
+    chunks, sched = g("chunks"), g("schedule")
+    if chunks and chunks > 1 and sched in ("1f1b", "gpipe", "zb-h1"):
+        rules.append(f"schedule={sched!r} runs one model chunk per rank: chunks={chunks} needs schedule="
+                     f"'interleaved-1f1b'" + (" (or a V schedule, chunks=2)" if hw.runtime == "mlmkit" else ""))
+    if chunks == 1 and sched in ("interleaved-1f1b", "zb-v", "dualpipev"):
+        rules.append(f"schedule={sched!r} runs several model chunks per rank: chunks=1 is '1f1b'")
+    if chunks and chunks > 1 and sched in ("zb-v", "dualpipev") and chunks != 2:
+        rules.append(f"schedule={sched!r} runs exactly 2 chunks per rank (the V), not chunks={chunks}")
+    if chunks and chunks > 1 and (g("pp") or 1) * chunks > model.layers:
+        rules.append(f"pp={g('pp') or 1} x chunks={chunks} virtual stages are more than the {model.layers} layers")
+    if rules:
+        return "; ".join(rules)
+    if not given:
+        return (f"no tp (dividing the {model.heads} heads) x cp x pp (at most the {model.layers} layers) x dp "
+                f"(dividing the global batch of {global_batch_size}) makes {gpus} GPUs; change the GPU count or the "
+                f"global batch")
+    alone = [f"{k}={v!r}" for k, v in given.items()
+             if not search_space(model, hw, gpus=gpus, global_batch_size=global_batch_size, seq_len=seq_len, **{k: v})]
+    if alone:
+        return (f"no layout takes {' nor '.join(alone)} (the degrees must divide the GPUs and the model, the "
+                f"microbatches the global batch, and interleaving needs a multiple of pp microbatches); relax "
+                f"{'it' if len(alone) == 1 else 'them'} or change the GPU count")
+    return ("each constraint alone leaves layouts, together they leave none (the degrees must multiply to the "
+            "GPUs, the microbatches divide the global batch, and interleaving needs a multiple of pp "
+            "microbatches); relax one of them or change the GPU count")
 
 
 def check_job(*, gpus: object, global_batch_size: object) -> None:
@@ -158,8 +237,9 @@ def plan(model: GPTConfig, *, gpus: int, gpu="h100-sxm", global_batch_size: int,
     layouts = search_space(model, hw, gpus=gpus, global_batch_size=global_batch_size, seq_len=s, **constraints)
     if not layouts:
         raise ValueError(f"plan: no layout of {gpus} GPUs divides this job with constraints {constraints or 'none'} "
-                         f"(global_batch_size={global_batch_size}, heads={model.heads}, layers={model.layers}); "
-                         f"relax a constraint or change the GPU count")
+                         f"(global_batch_size={global_batch_size}, heads={model.heads}, layers={model.layers}): "
+                         + _why_no_layout(model, hw, gpus=gpus, global_batch_size=global_batch_size, seq_len=s,
+                                          fixed=constraints))
     rows = [_predict(model, hw, lay, global_batch_size, s, flash_attention) for lay in layouts]
     df = pd.DataFrame(rows, columns=COLUMNS)
     fitting = df[df.fits].sort_values("tokens_per_s", ascending=False, kind="stable")

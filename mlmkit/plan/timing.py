@@ -46,7 +46,10 @@ collective waited for (nothing overlapped), each priced by the measured latency 
 after the work that precedes it; host time per dispatched operator (:data:`OPS`, counted in
 mlmkit's code) and per recomputed region; ranks sharing the machine's cores (processor sharing:
 the pipeline through :func:`mlmkit.pipeline.simulate` with ``cores`` and the measured message
-latency of a pipeline of that depth); the optimizer's operators on every rank at once.
+latency of a pipeline of that depth); the optimizer's operators on every rank at once. A split
+backward (zb-h1, zb-v, dualpipev) is priced as the full backward in its I and nothing in its W: the
+model sees neither the bubble the W actions fill nor the split's host cost, which on this kind of
+machine come out near even (ZB-H1 at 0.97-1.10x of 1F1B's step in ``make bench``, benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
