@@ -1,5 +1,7 @@
 """Schedules as data: known bubble results, validation of broken hand-written schedules, bad configs."""
 
+import re
+
 import pandas as pd
 import pytest
 
@@ -143,6 +145,14 @@ def test_costs_no_run_could_have_are_refused(costs, needle):
     # A negative or NaN cost simulated into a NaN step or actions ending before they start.
     with pytest.raises(ValueError, match=needle):
         simulate(make_schedule("1f1b", stages=2, microbatches=4), costs)
+
+
+@pytest.mark.parametrize("cores", [0, -2, float("nan"), True, "2", [2]])
+def test_cores_that_are_not_a_positive_number_are_refused(cores):
+    # True simulated as one core, "2" raised a TypeError from a comparison.
+    with pytest.raises(ValueError, match=rf"simulate: cores={re.escape(repr(cores))} must be a number > 0 \(or None"):
+        simulate(make_schedule("1f1b", stages=2, microbatches=4), UNIFORM, cores=cores)
+    assert simulate(make_schedule("1f1b", stages=2, microbatches=4), UNIFORM, cores=0.5).step_time > 0
 
 
 def _table(rows):
