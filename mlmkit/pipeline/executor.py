@@ -261,6 +261,9 @@ class PipelineExecutor:
         the targets. ``loss_scale`` (per-token loss only) multiplies each microbatch's summed token
         loss; the default ``1 / (non-ignored targets in this batch)`` makes the loss the batch's
         per-token mean (a data-parallel trainer passes ``dp / tokens of the global batch``).
+
+        Refused (RuntimeError) while the previous step is open: actions left (its messages would
+        pair with the new step's, same tags) or :meth:`finalize` not yet run; :meth:`abandon` closes it.
         """
         m = self.schedule.microbatches
         if self._open and not self.done:
