@@ -100,6 +100,8 @@ def test_published_results_within_15_percent_for_most_rows():
     (dict(pp=8, chunks=8), "pp=8 x chunks=8 virtual stages are more than the 32 layers"),
     (dict(gpus=1000), "no tp (dividing the 32 heads) x cp x pp (at most the 32 layers) x dp (dividing the global "
                       "batch of 256) makes 1000 GPUs"),
+    (dict(global_batch_size=1, schedule="interleaved-1f1b"), "no layout takes schedule='interleaved-1f1b' (the "
+                                                            "degrees must divide"),
     (dict(global_batch_size=2, pp=4, schedule="interleaved-1f1b"), "each constraint alone leaves layouts, together "
                                                                    "they leave none"),
     # values no layout can take are named, not searched (they divided by zero, or planned mbs=-1, seq_len=0)

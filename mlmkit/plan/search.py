@@ -180,8 +180,14 @@ def _why_no_layout(model: GPTConfig, hw: Hardware, *, gpus: int, global_batch_si
         return (f"no tp (dividing the {model.heads} heads) x cp x pp (at most the {model.layers} layers) x dp "
                 f"(dividing the global batch of {global_batch_size}) makes {gpus} GPUs; change the GPU count or the "
                 f"global batch")
-    alone = [f"{k}={v!r}" for k, v in given.items()
-             if not search_space(model, hw, gpus=gpus, global_batch_size=global_batch_size, seq_len=seq_len, **{k: v})]
+    def leaves_none(key: str, value) -> bool:
+        try:
+            return not search_space(model, hw, gpus=gpus, global_batch_size=global_batch_size, seq_len=seq_len,
+                                    **{key: value})
+        except ValueError:           # refused for a reason of its own: no layout either
+            return True
+
+    alone = [f"{k}={v!r}" for k, v in given.items() if leaves_none(k, v)]
     if alone:
         return (f"no layout takes {' nor '.join(alone)} (the degrees must divide the GPUs and the model, the "
                 f"microbatches the global batch, and interleaving needs a multiple of pp microbatches); relax "
