@@ -56,7 +56,7 @@ def search_space(model: GPTConfig, hw: Hardware, *, gpus: int, global_batch_size
     eps = options("ep", divisors(model.experts) if model.moe and hw.runtime != "mlmkit" else [1])
     out = []
     sp = fixed.get("sequence_parallel", True)
-    splits, refused = {}, []
+    splits, schedules, refused = {}, {}, []
 
     def schedule_options(p: int) -> list[tuple[str, int]]:
         # Megatron-LM's 1F1B and interleaved 1F1B (2 or 4 chunks) unless a schedule is fixed; mlmkit's
@@ -75,13 +75,17 @@ def search_space(model: GPTConfig, hw: Hardware, *, gpus: int, global_batch_size
         return out
 
     def schedulable(name: str, p: int, m: int, v: int) -> bool:
-        try:
-            make_schedule(name, stages=p, microbatches=m, chunks=v, layers=model.layers)
-            return True
-        except ScheduleError as err:
-            if str(err) not in refused:
-                refused.append(str(err))
-            return False
+        # once per (schedule, p, m, v): the same pipeline recurs for every tp, cp and recomputation
+        key = (name, p, m, v)
+        if key not in schedules:
+            try:
+                make_schedule(name, stages=p, microbatches=m, chunks=v, layers=model.layers)
+                schedules[key] = True
+            except ScheduleError as err:
+                schedules[key] = False
+                if str(err) not in refused:
+                    refused.append(str(err))
+        return schedules[key]
 
     def splittable(t: int, cp: int, p: int, v: int, ep: int) -> bool:
         # the model's own rules (a run of this layout would refuse it before starting)
