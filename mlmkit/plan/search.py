@@ -21,7 +21,7 @@ import math
 from typing import Optional, Sequence
 
 from mlmkit.model.config import GPTConfig
-from mlmkit.pipeline.schedule import MAX_MICROBATCHES, V_SCHEDULES, ScheduleError, make_schedule
+from mlmkit.pipeline.schedule import MAX_MICROBATCHES, V_SCHEDULES, make_schedule
 from mlmkit.plan.hardware import Hardware, hardware
 from mlmkit.plan.timing import (MEGATRON_SCHEDULES, Layout, check_ep, check_flash_attention, check_layout_fields,
                                 check_seq_len, divisors, predict)
@@ -56,7 +56,7 @@ def search_space(model: GPTConfig, hw: Hardware, *, gpus: int, global_batch_size
     eps = options("ep", divisors(model.experts) if model.moe and hw.runtime != "mlmkit" else [1])
     out = []
     sp = fixed.get("sequence_parallel", True)
-    splits, schedules, refused = {}, {}, []
+    checked, refused = {}, []
 
     def schedule_options(p: int) -> list[tuple[str, int]]:
         # Megatron-LM's 1F1B and interleaved 1F1B (2 or 4 chunks) unless a schedule is fixed; mlmkit's
@@ -74,31 +74,27 @@ def search_space(model: GPTConfig, hw: Hardware, *, gpus: int, global_batch_size
                                                                                         name in V_SCHEDULES)]
         return out
 
-    def schedulable(name: str, p: int, m: int, v: int) -> bool:
-        # once per (schedule, p, m, v): the same pipeline recurs for every tp, cp and recomputation
-        key = (name, p, m, v)
-        if key not in schedules:
+    def passes(key: tuple, check) -> bool:
+        # each check once per key (the same split or pipeline recurs for every tp, cp and
+        # recomputation choice); the reason of a refusal is kept for the error if nothing is left
+        if key not in checked:
             try:
-                make_schedule(name, stages=p, microbatches=m, chunks=v, layers=model.layers)
-                schedules[key] = True
-            except ScheduleError as err:
-                schedules[key] = False
+                check()
+                checked[key] = True
+            except ValueError as err:            # ScheduleError included
+                checked[key] = False
                 if str(err) not in refused:
                     refused.append(str(err))
-        return schedules[key]
+        return checked[key]
+
+    def schedulable(name: str, p: int, m: int, v: int) -> bool:
+        return passes(("schedule", name, p, m, v),
+                      lambda: make_schedule(name, stages=p, microbatches=m, chunks=v, layers=model.layers))
 
     def splittable(t: int, cp: int, p: int, v: int, ep: int) -> bool:
         # the model's own rules (a run of this layout would refuse it before starting)
-        key = (t, cp, p, v, ep)
-        if key not in splits:
-            try:
-                model.check_parallel(tp=t, pp=p, chunks=v, cp=cp, ep=ep, sequence_parallel=sp and t > 1)
-                splits[key] = True
-            except ValueError as err:
-                splits[key] = False
-                if str(err) not in refused:
-                    refused.append(str(err))
-        return splits[key]
+        return passes(("split", t, cp, p, v, ep),
+                      lambda: model.check_parallel(tp=t, pp=p, chunks=v, cp=cp, ep=ep, sequence_parallel=sp and t > 1))
 
     tps = [t for t in options("tp", divisors(hw.gpus_per_node)) if model.heads % t == 0 and gpus % t == 0]
     for t in tps:
