@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from mlmkit.estimate import estimate_memory
+from mlmkit.estimate import estimate_memory, estimate_train_memory
 from mlmkit.model import GPTConfig
 from mlmkit.model.presets import preset
 from mlmkit.pipeline import SCHEDULES, make_schedule, simulate
@@ -162,7 +162,7 @@ def test_expert_parallelism_shards_the_experts_state_as_the_estimator_does(ep, z
     # Each GPU holds experts / ep whole experts; their gradients and ZeRO shards go over their own
     # replicas (tp x cp x dp / ep), the dense parameters' over dp x cp. The planner's model state of
     # the largest stage against mlmkit's exact estimator (checked against traced runs elsewhere).
-    from mlmkit.estimate import estimate_memory
+    from mlmkit.estimate import estimate_memory, estimate_train_memory
     from mlmkit.topology import Topology
 
     layout = Layout(tp=2, pp=2, dp=4, ep=ep, zero=zero)
@@ -294,7 +294,7 @@ def test_presets_plan():
 
 # ------------------------------------------------------------------ local-cpu: mlmkit's own runtime
 from mlmkit.plan.hardware import hardware, local_cpu  # noqa: E402
-from mlmkit.plan.timing import OPS  # noqa: E402
+from mlmkit.plan.timing import FRAGMENTATION, OPS  # noqa: E402
 from mlmkit.train import demo_config  # noqa: E402
 
 QUICK = preset("quickstart")
@@ -362,6 +362,40 @@ def test_mlmkit_runtime_prices_what_the_trainer_waits_for():
     table = plan(QUICK, gpus=4, gpu=hw, global_batch_size=16)
     assert set(table.cp) == {1} and (table.tp * table.pp * table.dp == 4).all()
     assert table.memory_per_gpu_bytes.max() < 2**30        # the framework allowance is the rank's, not a GPU's
+
+
+
+# Every schedule mlmkit runs, with ZeRO-1 and -3, the three recomputations, tp with SP and dp.
+LOCAL_MEMORY = [dict(tp=1, pp=2, dp=2, schedule=s, chunks=v, micro_batch_size=1, global_batch_size=16, zero=z,
+                     recompute=r)
+                for (s, v), z, r in zip([("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("zb-v", 2),
+                                         ("dualpipev", 2)], [1, 3, 1, 3, 1, 3], ["none", "selective", "full"] * 2)]
+LOCAL_MEMORY += [dict(tp=2, pp=2, dp=1, schedule="gpipe", micro_batch_size=2, global_batch_size=16, zero=1,
+                      recompute="none", sequence_parallel=True),
+                 dict(tp=2, pp=1, dp=2, micro_batch_size=1, global_batch_size=8, zero=3, recompute="full",
+                      sequence_parallel=True)]
+
+
+def test_local_cpu_memory_is_what_the_layouts_run_holds():
+    # On mlmkit's own runtime the memory per rank is the estimator's, the layout's own schedule replayed
+    # (a traced run's bytes, equal in tests/test_trace_estimate.py): the largest rank's state and
+    # activation peak. The Megatron-LM formula held p microbatches for every schedule: GPipe at pp=2
+    # with 16 microbatches was planned with the activations of 2 (0.26 MB against 1.6 MB).
+    hw = _local()
+    for kw in LOCAL_MEMORY:
+        config = demo_config(**kw)
+        row = predict(QUICK, hw, Layout.of(config), global_batch_size=config.global_batch_size)
+        est = estimate_train_memory(config)
+        top = est.loc[est["total"].idxmax()]
+        assert row["state_bytes"] == top.parameters + top.gradients + top.optimizer, kw
+        assert row["activation_bytes"] == top.activations, kw
+        assert row["memory_per_gpu_bytes"] == pytest.approx(top.total * FRAGMENTATION + hw.framework_bytes), kw
+    gpipe, one_f_one_b = (predict(QUICK, hw, Layout(pp=2, dp=2, schedule=s, micro_batch_size=1), global_batch_size=32)
+                          for s in ("gpipe", "1f1b"))
+    assert gpipe["activation_bytes"] > 6 * one_f_one_b["activation_bytes"]      # 16 microbatches held, not 2
+    table = plan(QUICK, gpus=4, gpu=hw, global_batch_size=32, pp=2, dp=2, micro_batch_size=1, recompute="none",
+                 zero=1, schedule="gpipe")
+    assert table.iloc[0].activation_bytes == gpipe["activation_bytes"]
 
 
 def _count_ops(rank, world_size, layouts):

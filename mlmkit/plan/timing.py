@@ -37,7 +37,11 @@ paper's per-layer formula (:func:`~mlmkit.estimate.activation_bytes_per_layer`,
 times the microbatches in flight on the first stage (1F1B: ``p``; interleaved:
 ``p (1 + (p - 1) / (p v))``, Korthikanti et al. 2022), plus an allowance: 5% for
 fragmentation and the hardware's ``framework_bytes`` (GPUs: 2 GiB for the CUDA context, NCCL and
-workspaces; ``local-cpu``: a rank's measured resident set before any model).
+workspaces; ``local-cpu``: a rank's measured resident set before any model). On mlmkit's own
+runtime (``local-cpu``) the state and activations are instead :func:`mlmkit.estimate.estimate_memory`'s
+for the layout (what mlmkit's blocks keep, the layout's own schedule replayed: GPipe holds every
+microbatch, a split backward its weight-gradient inputs; equal to a traced run's bytes), of the rank
+whose total is largest.
 
 **mlmkit's own runtime** (``hw.runtime == "mlmkit"``: ``local-cpu``, measured by
 :func:`mlmkit.distributed.calibrate_local_cpu`) replaces the time terms above with what a step of
@@ -55,11 +59,11 @@ machine come out near even (ZB-H1 at 0.97-1.10x of 1F1B's step in ``make bench``
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from mlmkit.estimate.flops import forward_flops_per_token, training_flops_per_token
-from mlmkit.estimate.memory import activation_bytes_per_layer, bytes_per_parameter
+from mlmkit.estimate.memory import activation_bytes_per_layer, bytes_per_parameter, estimate_memory
 from mlmkit.estimate.params import local_parameters
 from mlmkit.model.config import GPTConfig
 from mlmkit.pipeline.schedule import SCHEDULES
@@ -354,6 +358,19 @@ def check_flash_attention(value: object, *, what: str) -> None:
                          f"{type(value).__name__})")
 
 
+def _mlmkit_memory(model: GPTConfig, layout: Layout, *, microbatches: int, precision: str) -> tuple[float, float]:
+    """Memory of ``layout`` on mlmkit's own runtime: :func:`mlmkit.estimate.estimate_memory` (what
+    mlmkit's blocks keep, the layout's schedule replayed; equal to a traced run's bytes, tests check
+    it) for every rank, of the rank whose total is largest: ``(model state, activation peak)``."""
+    L = layout
+    topology = Topology(tp=L.tp, cp=L.cp, pp=L.pp, dp=L.dp, ep=L.ep, experts=model.moe)
+    est = estimate_memory(model, topology, micro_batch_size=L.micro_batch_size, microbatches=microbatches,
+                          schedule=L.schedule, chunks=L.chunks, sequence_parallel=L.sequence_parallel and L.tp > 1,
+                          recompute=L.recompute, zero=L.zero, precision=precision)
+    row = est.loc[est["total"].idxmax()]
+    return float(row["parameters"] + row["gradients"] + row["optimizer"]), float(row["activations"])
+
+
 def predict(model: GPTConfig, hw: Hardware, layout: Layout, *, global_batch_size: int,
             seq_len: Optional[int] = None, flash_attention: bool = True) -> dict:
     """Step time, throughput, FLOP/s, MFU, memory per GPU and the time breakdown of ``layout``
@@ -449,19 +466,24 @@ def predict(model: GPTConfig, hw: Hardware, layout: Layout, *, global_batch_size
     n = L.gpus
     model_tflops = tr["model"] * total_tokens / step / n / 1e12
     hw_tflops = tr["hardware"] * total_tokens / step / n / 1e12
-    # memory of the largest stage
-    state = (dense * bytes_per_parameter(precision=hw.precision, zero=L.zero, dp=replicas)
-             + expert * bytes_per_parameter(precision=hw.precision, zero=L.zero, dp=expert_dp))
-    if L.zero == 3:
-        state += 2 * (n_stage / lp) * E                        # two layers gathered at a time
-    # a fused (flash) attention keeps no [s, s] scores: the paper's selective-recomputation count
-    kept = "selective" if (flash_attention and L.recompute == "none") else L.recompute
-    per_layer_act = activation_bytes_per_layer(
-        s=s // cp, b=b, h=h, a=model.heads, ffn=model.ffn, t=t, sequence_parallel=sp, recompute=kept,
-        dropout=model.dropout > 0, precision=hw.precision, implementation="megatron", kv_heads=model.num_kv_heads,
-        mlp=model.mlp, norm=model.norm, rope=model.position == "rope", moe=model if model.moe else None)
-    inflight = min(m, p) if v == 1 else p * (1 + (p - 1) / (p * v))
-    activations = per_layer_act * lp * inflight
+    if hw.runtime == "mlmkit":
+        # mlmkit's own runs: what its blocks keep, the schedule replayed (any schedule), every rank
+        state, activations = _mlmkit_memory(model if s == model.seq_len else replace(model, seq_len=s), L,
+                                            microbatches=m, precision=hw.precision)
+    else:
+        # memory of the largest stage
+        state = (dense * bytes_per_parameter(precision=hw.precision, zero=L.zero, dp=replicas)
+                 + expert * bytes_per_parameter(precision=hw.precision, zero=L.zero, dp=expert_dp))
+        if L.zero == 3:
+            state += 2 * (n_stage / lp) * E                        # two layers gathered at a time
+        # a fused (flash) attention keeps no [s, s] scores: the paper's selective-recomputation count
+        kept = "selective" if (flash_attention and L.recompute == "none") else L.recompute
+        per_layer_act = activation_bytes_per_layer(
+            s=s // cp, b=b, h=h, a=model.heads, ffn=model.ffn, t=t, sequence_parallel=sp, recompute=kept,
+            dropout=model.dropout > 0, precision=hw.precision, implementation="megatron", kv_heads=model.num_kv_heads,
+            mlp=model.mlp, norm=model.norm, rope=model.position == "rope", moe=model if model.moe else None)
+        inflight = min(m, p) if v == 1 else p * (1 + (p - 1) / (p * v))
+        activations = per_layer_act * lp * inflight
     memory = (state + activations) * FRAGMENTATION + hw.framework_bytes
     return {
         "tp": t, "cp": cp, "pp": p, "dp": d, "ep": L.ep, "chunks": v, "schedule": L.schedule,
