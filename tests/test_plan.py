@@ -53,6 +53,24 @@ def test_recomputation_costs_time_and_saves_memory():
     assert rows["full"]["hardware_tflops_per_gpu"] > rows["full"]["model_tflops_per_gpu"]
 
 
+
+@pytest.mark.parametrize("p,v", [(2, 2), (4, 2), (4, 4), (8, 2)])
+def test_activations_in_flight_are_at_most_the_steps_microbatches(p, v):
+    # Interleaving holds p (1 + (p - 1) / (p v)) microbatches on the first stage, but a step of m = p
+    # microbatches has only p: its warm-up already runs every chunk of every one (planned 1.375x
+    # 1F1B's activations at p = 4, v = 2 before). The schedule replayed agrees.
+    model = GPTConfig(vocab_size=256, seq_len=64, hidden=64, heads=4, layers=2 * p * v)
+    for m in (p, 2 * p, 3 * p):
+        inter, plain = (predict(model, GPUS["h100-sxm"], Layout(pp=p, chunks=c, schedule=s), global_batch_size=m)
+                        for s, c in (("interleaved-1f1b", v), ("1f1b", 1)))
+        want = min(m, p * (1 + (p - 1) / (p * v))) / p
+        assert inter["activation_bytes"] == pytest.approx(want * plain["activation_bytes"]), m
+    replayed = [estimate_memory(model, Topology(pp=p), micro_batch_size=1, microbatches=p, schedule=s, chunks=c,
+                                precision="bf16", implementation="megatron").activations[0]
+                for s, c in (("interleaved-1f1b", v), ("1f1b", 1))]
+    assert replayed[0] == replayed[1]
+
+
 def test_the_config_decides_dropout_and_flash_attention():
     layout = Layout(tp=8, pp=1, dp=1, micro_batch_size=1)
     kept = {drop: predict(GPTConfig(vocab_size=51200, seq_len=2048, hidden=4096, heads=32, layers=32, dropout=drop),

@@ -35,7 +35,7 @@ their gradients and shards over their own ``tp x cp x dp / ep`` replicas) and ac
 paper's per-layer formula (:func:`~mlmkit.estimate.activation_bytes_per_layer`,
 ``implementation="megatron"``, with the model's own dropout; experts: ``top_k`` rows per token),
 times the microbatches in flight on the first stage (1F1B: ``p``; interleaved:
-``p (1 + (p - 1) / (p v))``, Korthikanti et al. 2022), plus an allowance: 5% for
+``p (1 + (p - 1) / (p v))``, Korthikanti et al. 2022; at most the step's ``m``), plus an allowance: 5% for
 fragmentation and the hardware's ``framework_bytes`` (GPUs: 2 GiB for the CUDA context, NCCL and
 workspaces; ``local-cpu``: a rank's measured resident set before any model). On mlmkit's own
 runtime (``local-cpu``) the state and activations are instead :func:`mlmkit.estimate.estimate_memory`'s
@@ -482,7 +482,9 @@ def predict(model: GPTConfig, hw: Hardware, layout: Layout, *, global_batch_size
             s=s // cp, b=b, h=h, a=model.heads, ffn=model.ffn, t=t, sequence_parallel=sp, recompute=kept,
             dropout=model.dropout > 0, precision=hw.precision, implementation="megatron", kv_heads=model.num_kv_heads,
             mlp=model.mlp, norm=model.norm, rope=model.position == "rope", moe=model if model.moe else None)
-        inflight = min(m, p) if v == 1 else p * (1 + (p - 1) / (p * v))
+        # the first stage's microbatches in flight, never more than the step has (with m = p an
+        # interleaved schedule's warm-up already runs every chunk of every microbatch)
+        inflight = min(m, p if v == 1 else p * (1 + (p - 1) / (p * v)))
         activations = per_layer_act * lp * inflight
     memory = (state + activations) * FRAGMENTATION + hw.framework_bytes
     return {
