@@ -252,9 +252,25 @@ def test_custom_hardware_is_validated():
     for field, value in (("runtime", "torchtitan"), ("precision", "fp8"), ("cores", 0)):
         with pytest.raises(ValueError, match=f"{field}="):
             Hardware(**base, **{field: value})
-    for bad in ((("all_reduce", 1.0),), (("all_gather", 0.0),)):
+    for bad in ((("all_reduce", 1.0),), (("all_gather", 0.0),), (("all_gather", float("nan")),)):
         with pytest.raises(ValueError, match=r"collective_factor \('all_"):
             Hardware(**base, collective_factor=bad)
+    # A NaN, an infinity or a negative time passed and ranked layouts by impossible step times (NaN
+    # rows anywhere, negative steps first); every number is checked, naming the field.
+    nan, inf = float("nan"), float("inf")
+    for field, value, needle in (("peak_tflops", inf, "a finite number > 0"), ("latency_s", -1e-6, ">= 0"),
+                                 ("latency_s", nan, ">= 0"), ("half_width", nan, ">= 0"),
+                                 ("op_overhead_s", -1.0, ">= 0"), ("recompute_overhead_s", inf, ">= 0"),
+                                 ("framework_bytes", -1, ">= 0"), ("efficiency", nan, "in (0, 1]"),
+                                 ("efficiency", True, "in (0, 1]"), ("cores", inf, "finite number > 0, or None"),
+                                 ("collective_latency", ((2, 1e-3, -1.0),), "collective_latency entry"),
+                                 ("collective_latency", ((1, 1e-3, 1e-3),), "group size >= 2"),
+                                 ("p2p_latency", ((2, nan),), "p2p_latency entry"), ("source", None, "must be a string"),
+                                 ("name", "", "must be a non-empty string")):
+        with pytest.raises(ValueError, match=re.escape(f"{field}={value!r}") if not field.endswith("latency")
+                           or field == "latency_s" else re.escape(needle)) as info:
+            Hardware(**{**base, field: value})
+        assert needle in str(info.value), (field, value, str(info.value))
 
 
 def test_calibration_refuses_a_single_rank_before_starting_anything():

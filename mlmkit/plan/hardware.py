@@ -14,6 +14,7 @@ published Megatron-LM runs on A100 and H100 (benchmarks/RESULTS.md lists every r
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -53,24 +54,42 @@ class Hardware:
     framework_bytes: float = 2 * GiB   # per rank beyond the model: CUDA context, NCCL, workspaces (GPUs)
 
     def __post_init__(self) -> None:
+        # Every number feeds a step time or a memory figure: a NaN, an infinity or a negative latency
+        # gave rankings of impossible times (NaN rows sorted anywhere, negative steps first).
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"Hardware: name={self.name!r} must be a non-empty string")
+        if not isinstance(self.source, str):
+            raise ValueError(f"Hardware {self.name!r}: source={self.source!r} must be a string (where the figures "
+                             f"come from)")
         for name in ("peak_tflops", "memory_bytes", "hbm_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"Hardware {self.name!r}: {name}={value!r} must be a positive number")
+            _check_number(self.name, name, getattr(self, name), positive=True)
+        for name in ("latency_s", "half_width", "op_overhead_s", "recompute_overhead_s", "framework_bytes"):
+            _check_number(self.name, name, getattr(self, name), positive=False)
         if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
             raise ValueError(f"Hardware {self.name!r}: gpus_per_node={self.gpus_per_node!r} must be an integer >= 1")
-        if not 0 < self.efficiency <= 1:
+        if not _is_number(self.efficiency) or not 0 < self.efficiency <= 1:
             raise ValueError(f"Hardware {self.name!r}: efficiency={self.efficiency!r} must be in (0, 1]")
         if self.runtime not in ("megatron", "mlmkit"):
             raise ValueError(f"Hardware {self.name!r}: runtime={self.runtime!r}; expected 'megatron' or 'mlmkit'")
         if self.precision not in ("bf16", "fp32"):
             raise ValueError(f"Hardware {self.name!r}: precision={self.precision!r}; expected 'bf16' or 'fp32'")
         for op, factor in self.collective_factor:
-            if op not in ("all_gather", "reduce_scatter") or not factor > 0:
+            if op not in ("all_gather", "reduce_scatter") or not _is_number(factor) or not 0 < factor < math.inf:
                 raise ValueError(f"Hardware {self.name!r}: collective_factor ({op!r}, {factor!r}): expected "
                                  f"'all_gather' or 'reduce_scatter' with a factor > 0")
-        if self.cores is not None and not self.cores > 0:
-            raise ValueError(f"Hardware {self.name!r}: cores={self.cores!r} must be > 0 or None")
+        for entry in self.collective_latency:
+            if (len(entry) != 3 or isinstance(entry[0], bool) or not isinstance(entry[0], int) or entry[0] < 2
+                    or not all(_is_number(x) and 0 <= x < math.inf for x in entry[1:])):
+                raise ValueError(f"Hardware {self.name!r}: collective_latency entry {entry!r}: expected (group size "
+                                 f">= 2, gap s >= 0, latency s >= 0), finite")
+        for entry in self.p2p_latency:
+            if (len(entry) != 2 or isinstance(entry[0], bool) or not isinstance(entry[0], int) or entry[0] < 2
+                    or not _is_number(entry[1]) or not 0 <= entry[1] < math.inf):
+                raise ValueError(f"Hardware {self.name!r}: p2p_latency entry {entry!r}: expected (pipeline stages "
+                                 f">= 2, latency s >= 0), finite")
+        if self.cores is not None and (not _is_number(self.cores) or not 0 < self.cores < math.inf):
+            raise ValueError(f"Hardware {self.name!r}: cores={self.cores!r} must be a finite number > 0, or None "
+                             f"(one processor per rank)")
 
     def compute_efficiency(self, width: float) -> float:
         """Achieved fraction of the peak for per-GPU GEMMs ``width`` wide (``hidden / tp``)."""
@@ -107,6 +126,16 @@ class Hardware:
         """Bandwidth of a group of ``group_size`` ranks ``stride`` apart in rank order: NVLink when
         the group fits in one node, else the network."""
         return self.intra_node_bandwidth if group_size * stride <= self.gpus_per_node else self.inter_node_bandwidth
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def _check_number(hw: str, name: str, value, *, positive: bool) -> None:
+    ok = _is_number(value) and (0 < value if positive else 0 <= value) and value < math.inf
+    if not ok:
+        raise ValueError(f"Hardware {hw!r}: {name}={value!r} must be a finite number {'> 0' if positive else '>= 0'}")
 
 
 def _interpolate(curve, x: float) -> float:
