@@ -152,7 +152,12 @@ def test_published_presets():
     (dict(position="alibi"), r"position='alibi' is not one of"),
     (dict(attention="flash"), r"attention='flash' is not one of"),
     (dict(hidden=12, heads=4, position="rope"), r"rotary positions need an even head dimension, got hidden/heads = 3"),
-    (dict(rope_theta=0), r"rope_theta=0 must be a number > 0"),
+    (dict(rope_theta=0), r"rope_theta=0 must be a finite number > 0"),
+    # infinite values passed: weights of inf (NaN from the first step), a normalisation that outputs
+    # zeros (the loss stayed at ln 256), no rotation
+    (dict(init_std=float("inf")), r"init_std=inf must be a finite number > 0"),
+    (dict(layernorm_eps=float("inf")), r"layernorm_eps=inf must be a finite number > 0"),
+    (dict(rope_theta=float("inf"), position="rope"), r"rope_theta=inf must be a finite number > 0"),
     (dict(bias="no"), r"bias='no' must be true or false"),
 ])
 def test_bad_model_options(kwargs, needle):

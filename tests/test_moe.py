@@ -429,7 +429,12 @@ def test_checkpoint_at_ep2_zero1_resumes_in_other_layouts(tmp_path):
     # A dense model with a degree no expert grid fits: the missing experts are named, not the grid.
     (dict(expert_tp=2, model={"experts": 0}), "ep=1, expert_tp=2: the model has no experts"),
     (dict(ep=2), "ep=2 x expert_tp=1 = 2 does not divide tp x cp x dp = 1x1x1 = 1"),
-    (dict(model={"moe_capacity_factor": 0}), "moe_capacity_factor=0 must be a number > 0"),
+    (dict(model={"moe_capacity_factor": 0}), "moe_capacity_factor=0 must be a finite number > 0"),
+    # inf passed: OverflowError in the first step's routing on every rank; an infinite auxiliary
+    # weight made every weight NaN from the second step
+    (dict(model={"moe_capacity_factor": float("inf")}), "moe_capacity_factor=inf must be a finite number > 0, or None"),
+    (dict(model={"moe_aux_loss_coeff": float("inf")}), "moe_aux_loss_coeff=inf must be a finite number >= 0"),
+    (dict(model={"moe_z_loss_coeff": float("inf")}), "moe_z_loss_coeff=inf must be a finite number >= 0"),
     (dict(model={"moe_router": "relu"}), "moe_router='relu' is not one of"),
 ])
 def test_bad_moe_configs_fail_before_any_process(options, needle):

@@ -285,6 +285,8 @@ def test_whole_gradients_after_the_reduction_are_refused(stage):
 @pytest.mark.parametrize("options,needle", [
     (dict(zero=4), "zero=4 must be a ZeRO stage 0, 1, 2 or 3"),
     (dict(zero=True), "zero=True must be a ZeRO stage"),
+    (dict(zero=2.0), "zero=2.0 must be a ZeRO stage 0, 1, 2 or 3"),      # a float passed and stayed one
+    (dict(zero=3, prefetch=1.0), "prefetch=1.0 must be 0 or 1"),
     (dict(zero=3, zero1=True), "zero1=True asks for stage 1 but zero=3"),
     (dict(zero=2, prefetch=1), "prefetch and reshard_after_forward apply to zero=3 only"),
     (dict(zero=3, prefetch=2), "prefetch=2 must be 0 or 1"),

@@ -9,6 +9,7 @@ published models (for the estimator and planner; nothing is allocated).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Optional
@@ -176,8 +177,9 @@ class GPTConfig:
             raise ValueError(f"GPTConfig: seed={self.seed!r} must be an integer >= 0")
         for name in ("init_std", "layernorm_eps", "rope_theta"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ValueError(f"GPTConfig: {name}={v!r} must be a number > 0")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+                # inf passed before: infinite weights (init_std) or a normalisation that outputs zeros
+                raise ValueError(f"GPTConfig: {name}={v!r} must be a finite number > 0")
         self._check_moe()
 
     def _check_moe(self) -> None:
@@ -197,11 +199,13 @@ class GPTConfig:
                              f">= 0 (0: no shared expert)")
         for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
-                raise ValueError(f"GPTConfig: {name}={v!r} must be a number >= 0")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise ValueError(f"GPTConfig: {name}={v!r} must be a finite number >= 0 (an infinite weight makes "
+                                 f"the router's gradient, then every weight, NaN)")
         cf = self.moe_capacity_factor
-        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf > 0):
-            raise ValueError(f"GPTConfig: moe_capacity_factor={cf!r} must be a number > 0, or None (dropless)")
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not 0 < cf < math.inf):
+            raise ValueError(f"GPTConfig: moe_capacity_factor={cf!r} must be a finite number > 0, or None (dropless: "
+                             f"no capacity at all)")
         if not self.experts:
             return
         if self.top_k > self.experts:
