@@ -131,6 +131,7 @@ def test_published_results_within_15_percent_for_most_rows():
     (dict(seq_len=0), "seq_len=0 must be a positive integer"),
     (dict(top=-1), "top=-1 must be a positive integer (0 or None: every layout)"),
     (dict(zero=5), "zero=5; expected a ZeRO stage 0, 1, 2 or 3"),
+    (dict(zero=2.0), "zero=2.0; expected a ZeRO stage 0, 1, 2 or 3"),       # planned, and printed as 2.0
     (dict(recompute="some"), "recompute='some'; expected"),
     (dict(schedule="zb-h2"), "schedule='zb-h2'; expected one of gpipe, 1f1b"),
     (dict(schedule="zb-h1"), "covers 1f1b and interleaved-1f1b"),
