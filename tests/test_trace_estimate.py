@@ -1,6 +1,7 @@
 """Traces (compute, communication, memory) against the pure-Python estimator; published figures; Chrome trace."""
 
 import json
+import re
 import socket
 
 import pytest
@@ -348,6 +349,14 @@ def test_estimators_refuse_what_no_run_could_be():
             fn(model, Topology(tp=3), micro_batch_size=2, microbatches=2, precision="fp32")
         with pytest.raises(ValueError, match=r"3 pipeline stages \(pp=3 x chunks=1\) but only layers=2"):
             fn(model, Topology(pp=3), micro_batch_size=2, microbatches=3, precision="fp32")
+        # zero=-1 or 5 was estimated as some stage, True as stage 1, 2.0 printed as 2.0
+        for zero in (-1, 5, True, 2.0, "2"):
+            with pytest.raises(ValueError, match=rf"{name}: zero={re.escape(repr(zero))} must be a ZeRO stage 0, 1, 2 or 3"):
+                fn(model, Topology(dp=2), micro_batch_size=2, microbatches=2, precision="fp32", zero=zero)
+    for prefetch in (2, -1, True, 1.0):
+        with pytest.raises(ValueError, match=rf"estimate_memory: prefetch={re.escape(repr(prefetch))} must be 0 or 1"):
+            estimate_memory(model, Topology(dp=2), micro_batch_size=2, microbatches=2, precision="fp32", zero=3,
+                            prefetch=prefetch)
 
 
 def test_an_abandoned_step_frees_its_activations():

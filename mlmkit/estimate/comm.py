@@ -133,7 +133,7 @@ def estimate_comm(model: GPTConfig, topology: Topology, *, micro_batch_size: int
     if precision not in ("fp32", "bf16") or grad_reduce not in ("fp32", "bf16"):
         raise ValueError(f"precision={precision!r}, grad_reduce={grad_reduce!r}: expected 'fp32' or 'bf16'")
     check_estimate(model, topology, micro_batch_size=micro_batch_size, microbatches=microbatches, chunks=chunks,
-                   sequence_parallel=sequence_parallel, what="estimate_comm")
+                   sequence_parallel=sequence_parallel, zero=zero, what="estimate_comm")
     full_recompute = recompute is True or recompute == "full"
     reruns_core = full_recompute or recompute == "selective"
     cp = topology.cp

@@ -434,7 +434,8 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
                          "estimate_train_memory(config), which takes everything from the config")
     pr = _precision(precision)
     check_estimate(model, topology, micro_batch_size=micro_batch_size, microbatches=microbatches, chunks=chunks,
-                   sequence_parallel=sequence_parallel, what="estimate_memory")
+                   sequence_parallel=sequence_parallel, zero=zero, prefetch=prefetch,
+                   what="estimate_memory")
     sched = make_schedule(schedule, stages=topology.pp, microbatches=microbatches, chunks=chunks, layers=model.layers,
                           microbatch_group=microbatch_group)
     placement = sched.placement

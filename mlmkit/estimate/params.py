@@ -218,12 +218,19 @@ def shard_unit_sizes(model: GPTConfig, topology: Topology, *, pp_rank: int, chun
 
 
 def check_estimate(model: GPTConfig, topology: Topology, *, micro_batch_size: object, microbatches: object,
-                   chunks: object = 1, sequence_parallel: bool = False, what: str = "estimate") -> None:
+                   chunks: object = 1, sequence_parallel: bool = False, zero: object = None, prefetch: object = 0,
+                   what: str = "estimate") -> None:
     """ValueError naming what an estimate cannot be made for: a micro-batch size or microbatch count
-    that is not a positive integer, or a model that this topology cannot split (the trainer's own
-    check, :meth:`GPTConfig.check_parallel`): such numbers would describe no run."""
+    that is not a positive integer, a ZeRO stage other than 0-3 (or None) or a prefetch other than 0
+    or 1, or a model that this topology cannot split (the trainer's own check,
+    :meth:`GPTConfig.check_parallel`): such numbers would describe no run."""
     for name, value in (("micro_batch_size", micro_batch_size), ("microbatches", microbatches), ("chunks", chunks)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{what}: {name}={value!r} must be an integer >= 1")
+    # zero=-1 or 5 was estimated as some stage, True as stage 1: numbers of no run
+    if zero is not None and (type(zero) is not int or zero not in (0, 1, 2, 3)):
+        raise ValueError(f"{what}: zero={zero!r} must be a ZeRO stage 0, 1, 2 or 3 (or None: zero1 decides)")
+    if type(prefetch) is not int or prefetch not in (0, 1):
+        raise ValueError(f"{what}: prefetch={prefetch!r} must be 0 or 1 (ZeRO-3's layers gathered ahead)")
     model.check_parallel(tp=topology.tp, pp=topology.pp, chunks=chunks, sequence_parallel=sequence_parallel,
                          cp=topology.cp, ep=topology.ep, expert_tp=topology.expert_tp)
