@@ -53,6 +53,11 @@ def test_ranks_display_and_run(cluster):
 
     assert cluster.run(_world_sum_of_ranks) == {r: 6.0 for r in range(4)}
     assert cluster.run(lambda r: r.rank * 10, ranks=[1, 3]) == {1: 10, 3: 30}
+    # A bad per-call timeout is refused before anything runs (-1 stopped every rank as hung)
+    for bad in (-1, 0, float("nan"), True):
+        with pytest.raises(ValueError, match=rf"timeout_s={bad!r} must be a number of seconds"):
+            cluster.run(lambda r: r.rank, timeout_s=bad)
+    assert cluster.run(lambda r: r.rank, timeout_s=30) == {r: r for r in range(4)}
     frame = cluster.run_frame(lambda r: {"pp": r.groups.coords.pp})
     assert list(frame.pp) == [0, 0, 1, 1]
     # Free-form %px-style code sees the rank object in the engine namespace.

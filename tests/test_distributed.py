@@ -85,9 +85,25 @@ def test_rank_that_dies_is_reported():
     assert "Extension modules" not in text, text
 
 
-def test_bad_world_size():
-    with pytest.raises(ValueError, match="world_size=0"):
-        run_ranks(_sum_of_ranks, world_size=0, args=(1.0,))
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(world_size=0), "world_size=0 must be an integer >= 1"),
+    (dict(world_size=True), "world_size=True must be an integer >= 1"),
+    # these started every process first: a negative timeout then killed all ranks as hung, threads=0
+    # failed in each rank, an unknown backend once the processes were up
+    (dict(world_size=2, timeout_s=-1), "timeout_s=-1 must be a finite number of seconds > 0"),
+    (dict(world_size=2, timeout_s=float("nan")), "timeout_s=nan must be a finite number of seconds > 0"),
+    (dict(world_size=2, collective_timeout_s=0), "collective_timeout_s=0 must be a finite number of seconds > 0"),
+    (dict(world_size=2, threads=0), "threads=0 must be an integer >= 1"),
+    (dict(world_size=2, backend="Gloo"), "backend='Gloo': expected 'gloo', 'nccl' or None"),
+    (dict(world_size=2, port_retries=-1), "port_retries=-1 must be an integer >= 0"),
+])
+def test_bad_run_ranks_arguments_fail_before_any_process(kwargs, needle):
+    import psutil
+
+    before = set(psutil.Process().children(recursive=True))
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        run_ranks(_sum_of_ranks, args=(1.0,), **kwargs)
+    assert set(psutil.Process().children(recursive=True)) == before
 
 
 def _groups_and_collectives(rank, world_size, tp, pp, dp):

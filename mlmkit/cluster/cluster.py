@@ -589,13 +589,15 @@ class Cluster:
         """
         if not self.running:
             raise RuntimeError("Cluster is not running: call start() or use `with Cluster(...) as cluster:`")
+        # A typo (timeout_s=-1) stopped every rank at once as hung; 0 silently meant the default.
+        timeout_s = self.timeout_s if timeout_s is None else _check_seconds("timeout_s", timeout_s, upper=3600)
         self.ensure_healthy()
         ranks = list(range(self.world_size)) if ranks is None else list(ranks)
         for r in ranks:
             self.topology._check_rank(r)
         pending = {r: self.client[self.engine_ids[r]].apply_async(remote.call, _ref(), fn, args, kwargs)
                    for r in ranks}
-        return self._wait(pending, timeout_s=timeout_s or self.timeout_s)
+        return self._wait(pending, timeout_s=timeout_s)
 
     def run_frame(self, fn: Callable[..., Any], *args, **kwargs):
         """Like :meth:`run`, as a DataFrame: DataFrame results are concatenated, others become rows."""
