@@ -222,6 +222,60 @@ def test_broken_schedule_never_executes():
     assert "RECV_ACT for microbatch 1 must come before" in info.value.remote_traceback
 
 
+
+BAD_BATCHES = [   # (name, change to the good batch, the error every rank raises)
+    ("token past the vocabulary", lambda t, y: (t.index_fill(1, torch.tensor([3]), CFG.vocab_size), y),
+     f"token id {CFG.vocab_size} is outside the vocabulary"),
+    ("negative token", lambda t, y: (t.index_fill(1, torch.tensor([0]), -1), y), "token id -1 is outside"),
+    ("target past the vocabulary", lambda t, y: (t, y.index_fill(1, torch.tensor([7]), CFG.vocab_size)),
+     f"target id {CFG.vocab_size} is outside the vocabulary [0, {CFG.vocab_size}) and is not ignore_index=-100"),
+    ("negative target", lambda t, y: (t, y.index_fill(1, torch.tensor([2]), -5)), "target id -5 is outside"),
+    ("float tokens", lambda t, y: (t.float(), y), "tokens must be an integer tensor [batch, seq]"),
+    ("shapes apart", lambda t, y: (t, y[:, :-1]), "and targets [8, 7] must have the same shape"),
+    ("too long", lambda t, y: (t.repeat(1, 2), y.repeat(1, 2)), "sequence length 16 exceeds GPTConfig.seq_len=8"),
+]
+
+
+def _bad_batches(rank, world_size, batch_p2p):
+    torch.manual_seed(0)
+    groups = ProcessGroups.build(Topology(tp=2, pp=2))
+    schedule = make_schedule("1f1b", stages=2, microbatches=4)
+    chunks = build_model_chunks(CFG, groups=groups, sequence_parallel=True)
+    ex = PipelineExecutor(schedule=schedule, chunks=chunks, groups=groups, batch_p2p=batch_p2p)
+    tokens, targets = _data(4)
+    errors = []
+    for _, change, _ in BAD_BATCHES:
+        try:
+            ex.start_step(*change(tokens, targets))
+            errors.append(None)
+        except ValueError as err:
+            errors.append(str(err))
+        assert not ex._open                  # refused before the step began
+    loss = ex.run_step(tokens, targets)       # the same executor then runs a good batch
+    return errors, loss, {n: g for n, g in gather_full(chunks[0], grads=True).items()}
+
+
+@pytest.mark.parametrize("batch_p2p", [False, True])
+def test_a_batch_no_step_can_run_is_refused_on_every_rank_before_the_step(batch_p2p):
+    # A bad id reached only the stage that reads it, mid-step, while the other stage waited for its
+    # messages; a target past the vocabulary was a logit of 0 (a loss of no model, no error).
+    results = run_ranks(_bad_batches, world_size=4, args=(batch_p2p,), timeout_s=120)
+    for errors, _, _ in results:
+        for (name, _, needle), err in zip(BAD_BATCHES, errors):
+            assert err is not None and needle in err, (name, err)
+    ref_loss, ref_grads = _serial(4)
+    losses = [loss for _, loss, _ in results if loss is not None]
+    assert losses and all(abs(loss - ref_loss) <= TOL for loss in losses)
+    for _, _, grads in results:
+        for n, g in grads.items():
+            if n in ref_grads:
+                assert (g - ref_grads[n]).abs().max().item() <= TOL, n
+    # the serial model's loss refuses such targets too (torch's cross_entropy raises)
+    tokens, targets = _data(1)
+    with pytest.raises(ValueError, match=f"target id {CFG.vocab_size} is outside the vocabulary"):
+        GPT(CFG)(tokens, targets.index_fill(1, torch.tensor([5]), CFG.vocab_size))
+
+
 def test_more_stages_than_layers_fails_before_any_process():
     with pytest.raises(ScheduleError, match="8 stages .* but only layers=4"):
         make_schedule("interleaved-1f1b", stages=4, microbatches=4, chunks=2, layers=4)

@@ -279,6 +279,7 @@ class PipelineExecutor:
                 f"which waits for its sends and sums the gradients that need every stage (sequence-parallel "
                 f"parameters over tp, the tied embedding over the first and last stage): call finalize() on every "
                 f"rank first, or drop the step with abandon()")
+        self._check_batch(tokens, targets)
         if tokens.shape[0] % m:
             raise ValueError(f"batch of {tokens.shape[0]} samples does not split into microbatches={m}")
         dev = self.groups.device
@@ -299,6 +300,32 @@ class PipelineExecutor:
         self.index = 0
         self._step_pos = 0
         self._open = True
+
+    def _check_batch(self, tokens, targets) -> None:
+        """ValueError for a batch no step can run, raised before the step opens. Every rank of a
+        pipeline is given the same batch, so all of them refuse it together; found by the stage that
+        reads it, a bad id stopped that stage mid-step while its peers waited for its messages (and
+        a target outside the vocabulary was counted as a logit of 0 on the last stage)."""
+        config = self.chunks[0].config
+        for name, t in (("tokens", tokens), ("targets", targets)):
+            if (not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype == torch.bool or t.is_floating_point()
+                    or t.is_complex()):
+                what = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"start_step: {name} must be an integer tensor [batch, seq] of token ids, got {what}")
+        if tokens.shape != targets.shape:
+            raise ValueError(f"start_step: tokens {list(tokens.shape)} and targets {list(targets.shape)} must have the "
+                             f"same shape [batch, seq]")
+        if tokens.shape[1] > config.seq_len:
+            raise ValueError(f"start_step: sequence length {tokens.shape[1]} exceeds GPTConfig.seq_len={config.seq_len}")
+        vocab = config.vocab_size
+        bad = (tokens < 0) | (tokens >= vocab)
+        if bool(bad.any()):
+            raise ValueError(f"start_step: token id {int(tokens[bad][0])} is outside the vocabulary [0, {vocab}); check "
+                             f"the tokenizer against GPTConfig.vocab_size")
+        bad = (targets != self.ignore_index) & ((targets < 0) | (targets >= vocab))
+        if bool(bad.any()):
+            raise ValueError(f"start_step: target id {int(targets[bad][0])} is outside the vocabulary [0, {vocab}) and "
+                             f"is not ignore_index={self.ignore_index}; check the targets against GPTConfig.vocab_size")
 
     @property
     def done(self) -> bool:

@@ -76,6 +76,12 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *,
             f"vocab_parallel_cross_entropy: logits {list(logits.shape)} and targets {list(targets.shape)} "
             f"must agree in every dimension but the last"
         )
+    # A target outside the vocabulary fell outside every rank's slice and counted as a logit of 0: a
+    # loss of no model, without an error (torch's cross_entropy raises).
+    bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab_size))
+    if bool(bad.any()):
+        raise ValueError(f"target id {int(targets[bad][0])} is outside the vocabulary [0, {vocab_size}) and is not "
+                         f"ignore_index={ignore_index}; check the targets against GPTConfig.vocab_size")
     logits = logits.float()
     v_local = logits.shape[-1]
     if vocab_start + v_local > vocab_size:  # this slice has padded columns
