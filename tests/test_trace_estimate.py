@@ -144,6 +144,9 @@ def test_flops_per_token_equal_torchs_count(recompute):
     from mlmkit.model.gpt import GPT
 
     models = {"gpt2-odd-vocab": GPTConfig(vocab_size=250, seq_len=16, hidden=32, heads=4, layers=2, attention="eager"),
+              # the head computes the padded columns too (300 -> 320): counted as Megatron-LM counts them
+              "gpt2-padded-vocab": GPTConfig(vocab_size=300, make_vocab_size_divisible_by=64, seq_len=16, hidden=32,
+                                             heads=4, layers=2, attention="eager", tie_embeddings=False),
               "llama-gqa": llama_config(seq_len=16, hidden=32, heads=4, kv_heads=2, layers=2, ffn_hidden=64,
                                         attention="eager"),
               "moe-top2-shared": moe_config(seq_len=16, hidden=32, heads=4, kv_heads=2, ffn_hidden=64,
@@ -160,6 +163,10 @@ def test_flops_per_token_equal_torchs_count(recompute):
         assert forward.get_total_flops() == forward_flops_per_token(cfg)["total"] * tokens, name
         assert forward.get_total_flops() + backward.get_total_flops() == \
             training_flops_per_token(cfg, recompute=recompute)["hardware"] * tokens, name
+    # padded for tp ranks: 300 -> 384 over tp=2 (a multiple of 64 x 2)
+    padded = models["gpt2-padded-vocab"]
+    assert forward_flops_per_token(padded, tp=2)["head"] == 2 * 32 * 384
+    assert training_flops_per_token(padded, tp=2)["model"] - training_flops_per_token(padded)["model"] == 3 * 2 * 32 * 64
 
 
 def test_chrome_trace_holds_every_rank(traced, tmp_path):

@@ -205,9 +205,10 @@ def _stage_tensors(model: GPTConfig, t: int, p: int, v: int, sp: bool) -> list:
 
 
 @functools.lru_cache(maxsize=256)
-def _flops(model: GPTConfig, s: int) -> tuple:
-    return forward_flops_per_token(model, seq_len=s), training_flops_per_token(model, seq_len=s), \
-        {rc: training_flops_per_token(model, recompute=rc, seq_len=s) for rc in ("none", "selective", "full")}
+def _flops(model: GPTConfig, s: int, t: int) -> tuple:
+    # t: the head's vocabulary is padded for tp ranks (its padded columns are computed too)
+    return forward_flops_per_token(model, seq_len=s, tp=t), training_flops_per_token(model, seq_len=s, tp=t), \
+        {rc: training_flops_per_token(model, recompute=rc, seq_len=s, tp=t) for rc in ("none", "selective", "full")}
 
 
 def _ring(op: str, nbytes: float, n: int, bw: float, latency: float) -> float:
@@ -266,7 +267,7 @@ def _predict_mlmkit(model: GPTConfig, hw: Hardware, L: Layout, *, m: int, s: int
     sp = L.sequence_parallel and t > 1
     h, layers = model.hidden, model.layers
     peak = hw.peak_tflops * 1e12 * hw.compute_efficiency(h / t)
-    fl = _flops(model, s)[0]
+    fl = _flops(model, s, t)[0]
     tokens = b * s
     per_layer = (fl["linear"] + fl["attention"]) / layers * tokens / (t * cp)       # forward FLOPs
     attn_share = fl["attention"] / (fl["linear"] + fl["attention"])
@@ -397,7 +398,7 @@ def predict(model: GPTConfig, hw: Hardware, layout: Layout, *, global_batch_size
     E = 2 if hw.precision == "bf16" else 4                    # bytes of activations and parameters
     peak = hw.peak_tflops * 1e12
     eff = hw.compute_efficiency(h / t)
-    fl, _, train_flops = _flops(model, s)
+    fl, _, train_flops = _flops(model, s, t)
     tokens = b * s                                             # tokens of a microbatch
     per_layer = (fl["linear"] + fl["attention"]) / layers * tokens / (t * cp)
     attn_share = fl["attention"] / (fl["linear"] + fl["attention"])
