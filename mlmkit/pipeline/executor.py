@@ -264,6 +264,9 @@ class PipelineExecutor:
 
         Refused (RuntimeError) while the previous step is open: actions left (its messages would
         pair with the new step's, same tags) or :meth:`finalize` not yet run; :meth:`abandon` closes it.
+        Refused (ValueError) before the step opens for a batch no step can run: ids that are not
+        integers or lie outside the vocabulary (targets may be ``ignore_index``), tokens and targets
+        of different shapes, sequences longer than the model's, a batch that ``m`` does not divide.
         """
         m = self.schedule.microbatches
         if self._open and not self.done:
