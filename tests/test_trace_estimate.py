@@ -330,6 +330,7 @@ def test_memory_tracker_counts_saved_storage_once():
 def test_estimators_never_assume_a_precision():
     from mlmkit.estimate import estimate_comm, estimate_memory
     from mlmkit.model import GPTConfig
+    from mlmkit.model.config import moe_config
     from mlmkit import Topology
 
     model = GPTConfig(vocab_size=256, seq_len=16, hidden=32, heads=4, layers=2)
@@ -343,6 +344,7 @@ def test_estimators_refuse_what_no_run_could_be():
     # trainer can build. Both are named, with the trainer's own check of the split.
     from mlmkit.estimate import estimate_comm, estimate_memory
     from mlmkit.model import GPTConfig
+    from mlmkit.model.config import moe_config
     from mlmkit import Topology
 
     model = GPTConfig(vocab_size=256, seq_len=16, hidden=32, heads=4, layers=2)
@@ -360,6 +362,11 @@ def test_estimators_refuse_what_no_run_could_be():
         for zero in (-1, 5, True, 2.0, "2"):
             with pytest.raises(ValueError, match=rf"{name}: zero={re.escape(repr(zero))} must be a ZeRO stage 0, 1, 2 or 3"):
                 fn(model, Topology(dp=2), micro_batch_size=2, microbatches=2, precision="fp32", zero=zero)
+        # a mixture of experts under ZeRO-2/3 is no run mlmkit makes (TrainConfig refuses it): its
+        # experts were estimated as units sharded over dp x cp, which no runtime does
+        with pytest.raises(ValueError, match=rf"{name}: zero=3 shards dense models only \(experts=4\)"):
+            fn(moe_config(seq_len=16, hidden=32, heads=4, kv_heads=2, ffn_hidden=64), Topology(dp=2, ep=2, experts=True),
+               micro_batch_size=1, microbatches=2, precision="fp32", zero=3)
     for prefetch in (2, -1, True, 1.0):
         with pytest.raises(ValueError, match=rf"estimate_memory: prefetch={re.escape(repr(prefetch))} must be 0 or 1"):
             estimate_memory(model, Topology(dp=2), micro_batch_size=2, microbatches=2, precision="fp32", zero=3,

@@ -230,6 +230,10 @@ def check_estimate(model: GPTConfig, topology: Topology, *, micro_batch_size: ob
     # zero=-1 or 5 was estimated as some stage, True as stage 1: numbers of no run
     if zero is not None and (type(zero) is not int or zero not in (0, 1, 2, 3)):
         raise ValueError(f"{what}: zero={zero!r} must be a ZeRO stage 0, 1, 2 or 3 (or None: zero1 decides)")
+    if zero is not None and zero >= 2 and model.moe:
+        # mlmkit shards dense models only (TrainConfig refuses this): these numbers would be of no run
+        raise ValueError(f"{what}: zero={zero} shards dense models only (experts={model.experts}); use zero=1 with a "
+                         f"mixture of experts")
     if type(prefetch) is not int or prefetch not in (0, 1):
         raise ValueError(f"{what}: prefetch={prefetch!r} must be 0 or 1 (ZeRO-3's layers gathered ahead)")
     model.check_parallel(tp=topology.tp, pp=topology.pp, chunks=chunks, sequence_parallel=sequence_parallel,
