@@ -15,6 +15,7 @@ published Megatron-LM runs on A100 and H100 (benchmarks/RESULTS.md lists every r
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -65,7 +66,7 @@ class Hardware:
             _check_number(self.name, name, getattr(self, name), positive=True)
         for name in ("latency_s", "half_width", "op_overhead_s", "recompute_overhead_s", "framework_bytes"):
             _check_number(self.name, name, getattr(self, name), positive=False)
-        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, numbers.Integral) or self.gpus_per_node < 1:
             raise ValueError(f"Hardware {self.name!r}: gpus_per_node={self.gpus_per_node!r} must be an integer >= 1")
         if not _is_number(self.efficiency) or not 0 < self.efficiency <= 1:
             raise ValueError(f"Hardware {self.name!r}: efficiency={self.efficiency!r} must be in (0, 1]")
@@ -78,12 +79,12 @@ class Hardware:
                 raise ValueError(f"Hardware {self.name!r}: collective_factor ({op!r}, {factor!r}): expected "
                                  f"'all_gather' or 'reduce_scatter' with a factor > 0")
         for entry in self.collective_latency:
-            if (len(entry) != 3 or isinstance(entry[0], bool) or not isinstance(entry[0], int) or entry[0] < 2
+            if (len(entry) != 3 or isinstance(entry[0], bool) or not isinstance(entry[0], numbers.Integral) or entry[0] < 2
                     or not all(_is_number(x) and 0 <= x < math.inf for x in entry[1:])):
                 raise ValueError(f"Hardware {self.name!r}: collective_latency entry {entry!r}: expected (group size "
                                  f">= 2, gap s >= 0, latency s >= 0), finite")
         for entry in self.p2p_latency:
-            if (len(entry) != 2 or isinstance(entry[0], bool) or not isinstance(entry[0], int) or entry[0] < 2
+            if (len(entry) != 2 or isinstance(entry[0], bool) or not isinstance(entry[0], numbers.Integral) or entry[0] < 2
                     or not _is_number(entry[1]) or not 0 <= entry[1] < math.inf):
                 raise ValueError(f"Hardware {self.name!r}: p2p_latency entry {entry!r}: expected (pipeline stages "
                                  f">= 2, latency s >= 0), finite")
@@ -129,7 +130,8 @@ class Hardware:
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    # numbers.Real: numpy scalars (a DataFrame's figures) are numbers too; a bool is not
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value == value
 
 
 def _check_number(hw: str, name: str, value, *, positive: bool) -> None:
