@@ -300,6 +300,16 @@ def test_bad_zero_configs_fail_before_any_process(options, needle):
     assert needle in str(info.value)
 
 
+def test_a_stage_read_from_a_table_is_an_integer():
+    # A plan's or a sweep's DataFrame gives numpy integers: stages, not floats, so they are taken
+    # (and stored as int: the config's JSON and repr say 3, not a numpy type).
+    import numpy as np
+
+    cfg = _config(zero=np.int64(3), prefetch=np.int64(1), dp=2)
+    assert (type(cfg.zero), cfg.zero, type(cfg.prefetch), cfg.prefetch) == (int, 3, int, 1)
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+
+
 def test_zero1_alias_and_replace():
     assert _config(zero1=True).zero == 1 and _config(zero=1).zero1
     cfg = _config(zero1=True).replace(zero=3)

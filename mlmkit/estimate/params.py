@@ -7,6 +7,7 @@ decide gradient synchronisation), so that estimates of memory and communication 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -228,13 +229,13 @@ def check_estimate(model: GPTConfig, topology: Topology, *, micro_batch_size: ob
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{what}: {name}={value!r} must be an integer >= 1")
     # zero=-1 or 5 was estimated as some stage, True as stage 1: numbers of no run
-    if zero is not None and (type(zero) is not int or zero not in (0, 1, 2, 3)):
+    if zero is not None and (isinstance(zero, bool) or not isinstance(zero, numbers.Integral) or zero not in (0, 1, 2, 3)):
         raise ValueError(f"{what}: zero={zero!r} must be a ZeRO stage 0, 1, 2 or 3 (or None: zero1 decides)")
     if zero is not None and zero >= 2 and model.moe:
         # mlmkit shards dense models only (TrainConfig refuses this): these numbers would be of no run
         raise ValueError(f"{what}: zero={zero} shards dense models only (experts={model.experts}); use zero=1 with a "
                          f"mixture of experts")
-    if type(prefetch) is not int or prefetch not in (0, 1):
+    if isinstance(prefetch, bool) or not isinstance(prefetch, numbers.Integral) or prefetch not in (0, 1):
         raise ValueError(f"{what}: prefetch={prefetch!r} must be 0 or 1 (ZeRO-3's layers gathered ahead)")
     model.check_parallel(tp=topology.tp, pp=topology.pp, chunks=chunks, sequence_parallel=sequence_parallel,
                          cp=topology.cp, ep=topology.ep, expert_tp=topology.expert_tp)

@@ -59,6 +59,7 @@ machine come out near even (ZB-H1 at 0.97-1.10x of 1F1B's step in ``make bench``
 from __future__ import annotations
 
 import functools
+import numbers
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -105,7 +106,8 @@ def check_layout_fields(*, what: str = "plan", **fields) -> None:
             raise ValueError(f"{what}: schedule={value!r}; expected one of {', '.join(SCHEDULES)}")
         elif name == "recompute" and value not in ("none", "selective", "full"):
             raise ValueError(f"{what}: recompute={value!r}; expected 'none', 'selective' or 'full'")
-        elif name == "zero" and (type(value) is not int or value not in (0, 1, 2, 3)):
+        elif name == "zero" and (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+                                 or value not in (0, 1, 2, 3)):
             raise ValueError(f"{what}: zero={value!r}; expected a ZeRO stage 0, 1, 2 or 3")
         elif name == "sequence_parallel" and not isinstance(value, bool):
             raise ValueError(f"{what}: sequence_parallel={value!r} must be True or False")
