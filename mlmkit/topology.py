@@ -29,6 +29,7 @@ stage of one model replica, which both hold the word embedding when embeddings a
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from math import prod
 from typing import NamedTuple
@@ -64,7 +65,7 @@ class ExpertCoords(NamedTuple):
 
 
 def _check_degree(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):   # a numpy integer is one
         raise ValueError(
             f"Topology: {name}={value!r} is not an integer; expected a whole number >= 1 "
             f"(the number of ranks along the {name} axis)."
@@ -73,7 +74,7 @@ def _check_degree(name: str, value: object) -> int:
         raise ValueError(
             f"Topology: {name}={value} must be >= 1 (use {name}=1 to switch that axis off)."
         )
-    return value
+    return int(value)
 
 
 def _ranks_of(sizes: list[int], varying: list[bool]) -> list[list[int]]:
@@ -129,7 +130,7 @@ class Topology:
 
     def __post_init__(self) -> None:
         for name in ("tp", "cp", "dp", "pp", "ep", "expert_tp"):
-            _check_degree(name, getattr(self, name))
+            object.__setattr__(self, name, _check_degree(name, getattr(self, name)))
         if not isinstance(self.experts, bool):
             raise ValueError(f"Topology: experts={self.experts!r} must be True or False")
         if self.ep > 1 or self.expert_tp > 1:

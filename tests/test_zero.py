@@ -300,14 +300,29 @@ def test_bad_zero_configs_fail_before_any_process(options, needle):
     assert needle in str(info.value)
 
 
-def test_a_stage_read_from_a_table_is_an_integer():
-    # A plan's or a sweep's DataFrame gives numpy integers: stages, not floats, so they are taken
-    # (and stored as int: the config's JSON and repr say 3, not a numpy type).
+def test_numbers_read_from_a_table_are_integers():
+    # A plan's or a sweep's DataFrame gives numpy integers. The degrees were refused with "tp=2 is
+    # not an integer", ZeRO's stage passed but stayed a numpy type (the config's JSON then failed).
+    # They are the ints they equal, stored as int; floats and bools are still refused.
+    import json
+
     import numpy as np
 
-    cfg = _config(zero=np.int64(3), prefetch=np.int64(1), dp=2)
-    assert (type(cfg.zero), cfg.zero, type(cfg.prefetch), cfg.prefetch) == (int, 3, int, 1)
-    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+    from mlmkit import Topology
+    from mlmkit.plan import Layout
+
+    i = np.int64
+    model = GPTConfig(vocab_size=i(256), seq_len=np.int32(16), hidden=i(32), heads=i(4), layers=i(4))
+    cfg = _config(model, tp=i(2), pp=i(2), dp=i(2), zero=i(3), prefetch=i(1), micro_batch_size=i(1),
+                  global_batch_size=i(8), max_steps=i(5))
+    assert cfg == _config(GPT2, tp=2, pp=2, dp=2, zero=3, prefetch=1, micro_batch_size=1, global_batch_size=8,
+                          max_steps=5)
+    assert all(type(v) is int for v in (cfg.tp, cfg.zero, cfg.prefetch, cfg.model.hidden, cfg.topology.tp))
+    assert TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    assert Layout(tp=i(2), zero=i(3)) == Layout(tp=2, zero=3) and type(Layout(pp=i(2)).pp) is int
+    for bad in (2.0, True):
+        with pytest.raises(ValueError, match=f"tp={bad!r} is not an integer"):
+            Topology(tp=bad)
 
 
 def test_zero1_alias_and_replace():

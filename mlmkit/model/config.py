@@ -10,6 +10,7 @@ published models (for the estimator and planner; nothing is allocated).
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Optional
@@ -150,6 +151,10 @@ class GPTConfig:
     ``--moe-router-force-load-balancing``)."""
 
     def __post_init__(self) -> None:
+        for f in fields(self):       # numpy integers (a DataFrame's rows) are taken as the ints they equal
+            value = getattr(self, f.name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value) is not int:
+                object.__setattr__(self, f.name, int(value))
         for name in ("vocab_size", "seq_len", "hidden", "heads", "layers", "make_vocab_size_divisible_by"):
             _positive_int(name, getattr(self, name))
         if self.ffn_hidden is not None:

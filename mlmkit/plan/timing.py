@@ -98,7 +98,7 @@ def check_layout_fields(*, what: str = "plan", **fields) -> None:
     mlmkit's, recompute none/selective/full, zero 0-3, sequence_parallel a bool."""
     for name, value in fields.items():
         if name in ("tp", "cp", "pp", "dp", "ep", "chunks", "micro_batch_size"):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise ValueError(f"{what}: {name}={value!r} must be a positive integer (1 switches that axis off)"
                                  if name not in ("chunks", "micro_batch_size") else
                                  f"{what}: {name}={value!r} must be a positive integer")
@@ -139,6 +139,8 @@ class Layout:
 
     def __post_init__(self) -> None:
         check_layout_fields(**{f: getattr(self, f) for f in LAYOUT_FIELDS}, what="Layout")
+        for name in ("tp", "cp", "pp", "dp", "ep", "chunks", "micro_batch_size", "zero"):   # numpy integers too
+            object.__setattr__(self, name, int(getattr(self, name)))
         if self.chunks > 1 and self.schedule not in CHUNKED_SCHEDULES:
             raise ValueError(f"Layout: chunks={self.chunks} needs a schedule with model chunks "
                              f"({', '.join(CHUNKED_SCHEDULES)}), not schedule={self.schedule!r}")

@@ -29,6 +29,10 @@ def _check_bool(name: str, value: object) -> None:
                          f"{type(value).__name__}); in a JSON config write true/false without quotes")
 
 
+_INT_FIELDS = ("tp", "pp", "dp", "cp", "ep", "expert_tp", "chunks", "microbatch_group", "micro_batch_size",
+               "global_batch_size", "zero", "prefetch", "bucket_bytes", "warmup_steps", "max_steps", "seed")
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """Everything a run needs; invalid combinations raise ValueError on construction.
@@ -128,6 +132,12 @@ class TrainConfig:
     ``"bf16"`` (half the bytes, bf16 only)."""
 
     def __post_init__(self) -> None:
+        # Whole numbers from a DataFrame or numpy (a plan's rows) are numpy integers: taken as the
+        # Python ints they equal (the checks below, the JSON of to_dict and every repr want ints).
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+                object.__setattr__(self, name, int(value))
         if not isinstance(self.model, GPTConfig):
             raise ValueError(f"TrainConfig.model must be a GPTConfig, got {type(self.model).__name__}")
         if all(type(d) is int for d in (self.ep, self.expert_tp)) and not self.model.moe:
