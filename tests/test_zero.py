@@ -320,6 +320,10 @@ def test_numbers_read_from_a_table_are_integers():
     assert all(type(v) is int for v in (cfg.tp, cfg.zero, cfg.prefetch, cfg.model.hidden, cfg.topology.tp))
     assert TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     assert Layout(tp=i(2), zero=i(3)) == Layout(tp=2, zero=3) and type(Layout(pp=i(2)).pp) is int
+    # numpy floats too (np.float32 is no Python float: lr was refused as "must be a number")
+    f = _config(GPTConfig(vocab_size=256, seq_len=16, hidden=32, heads=4, layers=4, dropout=np.float32(0.5)),
+                lr=np.float32(0.5), min_lr=np.float16(0.25))
+    assert (type(f.lr), f.lr, f.min_lr, type(f.model.dropout), f.model.dropout) == (float, 0.5, 0.25, float, 0.5)
     for bad in (2.0, True):
         with pytest.raises(ValueError, match=f"tp={bad!r} is not an integer"):
             Topology(tp=bad)

@@ -151,10 +151,12 @@ class GPTConfig:
     ``--moe-router-force-load-balancing``)."""
 
     def __post_init__(self) -> None:
-        for f in fields(self):       # numpy integers (a DataFrame's rows) are taken as the ints they equal
+        for f in fields(self):       # numpy numbers (a DataFrame's rows) are taken as the Python numbers they equal
             value = getattr(self, f.name)
             if isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value) is not int:
                 object.__setattr__(self, f.name, int(value))
+            elif isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
+                object.__setattr__(self, f.name, float(value))
         for name in ("vocab_size", "seq_len", "hidden", "heads", "layers", "make_vocab_size_divisible_by"):
             _positive_int(name, getattr(self, name))
         if self.ffn_hidden is not None:

@@ -31,6 +31,7 @@ def _check_bool(name: str, value: object) -> None:
 
 _INT_FIELDS = ("tp", "pp", "dp", "cp", "ep", "expert_tp", "chunks", "microbatch_group", "micro_batch_size",
                "global_batch_size", "zero", "prefetch", "bucket_bytes", "warmup_steps", "max_steps", "seed")
+_FLOAT_FIELDS = ("lr", "min_lr", "weight_decay", "beta1", "beta2", "eps", "grad_clip")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,10 +135,12 @@ class TrainConfig:
     def __post_init__(self) -> None:
         # Whole numbers from a DataFrame or numpy (a plan's rows) are numpy integers: taken as the
         # Python ints they equal (the checks below, the JSON of to_dict and every repr want ints).
-        for name in _INT_FIELDS:
+        for name in _INT_FIELDS + _FLOAT_FIELDS:
             value = getattr(self, name)
             if isinstance(value, numbers.Integral) and not isinstance(value, bool):
                 object.__setattr__(self, name, int(value))
+            elif isinstance(value, numbers.Real) and not isinstance(value, (bool, float)):
+                object.__setattr__(self, name, float(value))
         if not isinstance(self.model, GPTConfig):
             raise ValueError(f"TrainConfig.model must be a GPTConfig, got {type(self.model).__name__}")
         if all(type(d) is int for d in (self.ep, self.expert_tp)) and not self.model.moe:
