@@ -195,6 +195,7 @@ class Topology:
     def coords(self, rank: int) -> Coords:
         """Dense-grid coordinates ``(tp, cp, dp, pp)`` of ``rank``."""
         self._check_rank(rank)
+        rank = int(rank)      # a numpy integer (a DataFrame's index) gives Python ints
         tp_rank = rank % self.tp
         cp_rank = (rank // self.tp) % self.cp
         dp_rank = (rank // (self.tp * self.cp)) % self.dp
@@ -204,6 +205,7 @@ class Topology:
     def expert_coords(self, rank: int) -> ExpertCoords:
         """Expert-grid coordinates ``(expert_tp, ep, expert_dp, pp)`` of ``rank``."""
         self._check_rank(rank)
+        rank = int(rank)      # a numpy integer (a DataFrame's index) gives Python ints
         et, ep = self.expert_tp, self.ep
         return ExpertCoords(tp=rank % et, ep=(rank // et) % ep, dp=(rank // (et * ep)) % self.expert_dp,
                             pp=rank // (et * ep * self.expert_dp))
@@ -212,7 +214,7 @@ class Topology:
         """Global rank at the given dense-grid coordinates."""
         for name, value in (("tp", tp), ("cp", cp), ("dp", dp), ("pp", pp)):
             degree = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < degree:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value < degree:
                 raise ValueError(
                     f"Topology.rank: {name}={value!r} is out of range; expected an integer in "
                     f"[0, {degree - 1}] for {self}."
@@ -238,6 +240,7 @@ class Topology:
     def group_of(self, kind: str, rank: int) -> list[int]:
         """The group of kind ``kind`` that contains ``rank`` (for embedding: [] if not a member)."""
         self._check_rank(rank)
+        rank = int(rank)      # a numpy integer (a DataFrame's index) gives Python ints
         for group in self.groups(kind):
             if rank in group:
                 return group
@@ -323,7 +326,7 @@ class Topology:
         return grid, set(tokens)
 
     def _check_rank(self, rank: int) -> None:
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 0 <= rank < self.world_size:
             raise ValueError(
                 f"rank {rank!r} is out of range for {self!r}: expected an integer in "
                 f"[0, {self.world_size - 1}]."

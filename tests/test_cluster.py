@@ -53,6 +53,8 @@ def test_ranks_display_and_run(cluster):
 
     assert cluster.run(_world_sum_of_ranks) == {r: 6.0 for r in range(4)}
     assert cluster.run(lambda r: r.rank * 10, ranks=[1, 3]) == {1: 10, 3: 30}
+    picked = cluster.run(lambda r: r.rank, ranks=df[df.pp == 1].index.to_numpy())      # numpy integers
+    assert picked == {2: 2, 3: 3} and all(type(r) is int for r in picked)
     # A bad per-call timeout is refused before anything runs (-1 stopped every rank as hung)
     for bad in (-1, 0, float("nan"), True):
         with pytest.raises(ValueError, match=rf"timeout_s={bad!r} must be a number of seconds"):

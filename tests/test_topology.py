@@ -72,6 +72,23 @@ def test_display_and_frame():
     assert "stage pp=1" in str(topo)
 
 
+def test_ranks_and_degrees_from_a_dataframe_are_integers():
+    # A DataFrame's index and columns are numpy integers: rank np.int64(3) was refused as "out of
+    # range ... expected an integer in [0, 3]", Topology(tp=np.int64(2)) as "not an integer".
+    import numpy as np
+
+    topo = Topology(tp=np.int64(2), pp=np.int64(2), dp=np.int64(2))
+    assert topo == Topology(tp=2, pp=2, dp=2) and type(topo.tp) is int
+    frame = topo.to_frame()
+    for rank in frame.index.to_numpy():
+        coords = topo.coords(rank)
+        assert coords == topo.coords(int(rank)) and all(type(c) is int for c in coords)
+        assert topo.rank(tp=np.int64(coords.tp), dp=np.int64(coords.dp), pp=np.int64(coords.pp)) == rank
+        assert topo.group_of("tp", rank) == frame.loc[int(rank), "tp_group"]
+    with pytest.raises(ValueError, match=r"rank np.int64\(8\) is out of range"):
+        topo.coords(np.int64(8))
+
+
 @pytest.mark.parametrize("kwargs,needle", [
     ({"tp": 0}, "tp=0"), ({"pp": -2}, "pp=-2"), ({"dp": 1.5}, "dp=1.5"), ({"tp": "2"}, "tp='2'"),
     ({"dp": True}, "dp=True"),

@@ -37,6 +37,7 @@ any that is), and removes the private folder.
 from __future__ import annotations
 
 import atexit
+import numbers
 import os
 import shutil
 import signal
@@ -183,7 +184,7 @@ class Cluster:
                  timeout_s: float = 60.0, collective_timeout_s: float = 30.0, grace_s: float = 2.0,
                  threads: Optional[int] = None, backend: Optional[str] = None, engine_start_timeout_s: float = 120.0,
                  scheduler_args: Sequence[str] = (), controller_ip: Optional[str] = None):
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        if n is not None and (isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1):
             raise ValueError(f"Cluster: n={n!r} must be an integer >= 1 (the number of engines)")
         if topology is None:
             if n is None:
@@ -197,7 +198,7 @@ class Cluster:
         self.collective_timeout_s = _check_seconds("collective_timeout_s", collective_timeout_s)
         self.grace_s = _check_seconds("grace_s", grace_s, allow_zero=True, upper=3600)
         self.engine_start_timeout_s = _check_seconds("engine_start_timeout_s", engine_start_timeout_s)
-        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, numbers.Integral) or threads < 1):
             raise ValueError(f"Cluster: threads={threads!r} must be an integer >= 1 (or None: cores / engines)")
         if backend not in (None, "gloo", "nccl"):
             raise ValueError(f"Cluster: backend={backend!r} is not a torch.distributed backend mlmkit uses; "
@@ -595,6 +596,7 @@ class Cluster:
         ranks = list(range(self.world_size)) if ranks is None else list(ranks)
         for r in ranks:
             self.topology._check_rank(r)
+        ranks = [int(r) for r in ranks]           # results keyed by Python ints (a DataFrame's index is numpy)
         pending = {r: self.client[self.engine_ids[r]].apply_async(remote.call, _ref(), fn, args, kwargs)
                    for r in ranks}
         return self._wait(pending, timeout_s=timeout_s)

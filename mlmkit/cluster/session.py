@@ -41,6 +41,7 @@ The session is always in a defined state; training never goes silently wrong:
 
 from __future__ import annotations
 
+import numbers
 import os
 import shutil
 import signal
@@ -503,7 +504,7 @@ class Session:
         """``steps`` whole steps; returns the metrics DataFrame (tqdm progress bar in notebooks).
 
         Ctrl-C stops after the step in flight (recorded); a second Ctrl-C abandons it."""
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
             raise ValueError(f"Session.train: steps={steps!r} must be an integer >= 0")
         bar = None
         if progress:

@@ -37,6 +37,7 @@ so call it from a driver, not from inside ranks.
 
 from __future__ import annotations
 
+import numbers
 import os
 import statistics
 import time
@@ -289,7 +290,7 @@ def calibrate_local_cpu(ranks: int = 4, *, quick: bool = False, repeats: Optiona
 
     if cluster is not None:
         ranks = cluster.world_size
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2:
+    if isinstance(ranks, bool) or not isinstance(ranks, numbers.Integral) or ranks < 2:
         raise ValueError(f"calibrate_local_cpu: ranks={ranks!r} must be an integer >= 2 (collectives need peers)")
     repeats = repeats or (1 if quick else 3)
     if cluster is not None:

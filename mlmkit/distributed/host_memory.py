@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import numbers
 
 __all__ = ["keep_freed_memory"]
 
@@ -36,7 +37,7 @@ def keep_freed_memory(*, trim_threshold: int = 512 * MIB, mmap_threshold: int = 
     the heap and to serve blocks below ``mmap_threshold`` bytes (glibc's maximum: 32 MiB on 64-bit)
     from the heap. Process-wide; returns whether it took effect (``False`` without glibc)."""
     for name, value in (("trim_threshold", trim_threshold), ("mmap_threshold", mmap_threshold)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
             raise ValueError(f"keep_freed_memory: {name}={value!r} must be a positive number of bytes")
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

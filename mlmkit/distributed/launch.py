@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import faulthandler
 import multiprocessing as mp
+import numbers
 import os
 import pickle
 import queue as queue_mod
@@ -136,7 +137,7 @@ def run_ranks(fn: Callable[..., Any], *, world_size: int, args: tuple = (), kwar
     """
     # Checked before any process starts: a negative timeout killed every rank at once as hung,
     # threads=0 failed in every rank, backend "Gloo" only after the processes were up.
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+    if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size < 1:
         raise ValueError(f"run_ranks: world_size={world_size!r} must be an integer >= 1")
     if not callable(fn):
         raise ValueError(f"run_ranks: fn={fn!r} must be a module-level function")
@@ -146,11 +147,11 @@ def run_ranks(fn: Callable[..., Any], *, world_size: int, args: tuple = (), kwar
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
             raise ValueError(f"run_ranks: {name}={value!r} must be a finite number of seconds > 0"
                              + (" (or None: timeout_s)" if name == "collective_timeout_s" else ""))
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+    if isinstance(threads, bool) or not isinstance(threads, numbers.Integral) or threads < 1:
         raise ValueError(f"run_ranks: threads={threads!r} must be an integer >= 1 (torch threads per rank)")
     if backend is not None and backend not in ("gloo", "nccl"):
         raise ValueError(f"run_ranks: backend={backend!r}: expected 'gloo', 'nccl' or None (nccl with CUDA, else gloo)")
-    if isinstance(port_retries, bool) or not isinstance(port_retries, int) or port_retries < 0:
+    if isinstance(port_retries, bool) or not isinstance(port_retries, numbers.Integral) or port_retries < 0:
         raise ValueError(f"run_ranks: port_retries={port_retries!r} must be an integer >= 0")
     kwargs = kwargs or {}
     for attempt in range(port_retries + 1):

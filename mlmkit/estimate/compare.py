@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Optional
 
 __all__ = ["compare_comm", "compare_memory", "measured_comm", "measured_memory"]
@@ -22,7 +23,7 @@ def _step_count(comm, steps: Optional[int]) -> int:
     held = comm["step"].nunique() if "step" in comm.columns and len(comm) else None
     if steps is None:
         return held or 1
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
         raise ValueError(f"steps={steps!r} must be a whole number of steps >= 1 (or None: counted from the trace)")
     if held is not None and held != steps:
         raise ValueError(f"steps={steps} but the trace holds {held} steps (its 'step' column): leave steps out "

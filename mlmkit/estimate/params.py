@@ -226,7 +226,7 @@ def check_estimate(model: GPTConfig, topology: Topology, *, micro_batch_size: ob
     or 1, or a model that this topology cannot split (the trainer's own check,
     :meth:`GPTConfig.check_parallel`): such numbers would describe no run."""
     for name, value in (("micro_batch_size", micro_batch_size), ("microbatches", microbatches), ("chunks", chunks)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(f"{what}: {name}={value!r} must be an integer >= 1")
     # zero=-1 or 5 was estimated as some stage, True as stage 1: numbers of no run
     if zero is not None and (isinstance(zero, bool) or not isinstance(zero, numbers.Integral) or zero not in (0, 1, 2, 3)):

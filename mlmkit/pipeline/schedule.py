@@ -31,6 +31,7 @@ other here).
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple, Optional, Sequence
 
@@ -412,7 +413,7 @@ V_SCHEDULES = ("zb-v", "dualpipev")
 
 
 def _check_int(name: str, value: object, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ScheduleError(f"{name}={value!r} must be an integer >= {minimum}")
 
 
@@ -442,7 +443,7 @@ def make_schedule(name: str, *, stages: int, microbatches: int, chunks: int = 1,
         raise ScheduleError(f"microbatches={microbatches}: a schedule is built action by action (about 2.5 kB per "
                             f"microbatch and stage), so at most {MAX_MICROBATCHES} microbatches are planned; use "
                             f"fewer, larger microbatches")
-    p, m, v = stages, microbatches, chunks
+    p, m, v = int(stages), int(microbatches), int(chunks)        # numpy integers: Python ints in the schedule
     if name in V_SCHEDULES:
         if v != 2:
             raise ScheduleError(f"{name!r} runs exactly 2 model chunks per rank, in a V (chunks=2), not chunks={v}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from typing import Optional, Sequence
 
 from mlmkit.model.config import GPTConfig
@@ -200,7 +201,7 @@ def _why_no_layout(model: GPTConfig, hw: Hardware, *, gpus: int, global_batch_si
 def check_job(*, gpus: object, global_batch_size: object) -> None:
     """ValueError unless the GPU count and the global batch are positive integers."""
     for name, value in (("gpus", gpus), ("global_batch_size", global_batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(f"plan: {name}={value!r} must be a positive integer")
 
 
@@ -210,7 +211,7 @@ def check_request(*, gpus: object, global_batch_size: object, seq_len: object = 
     command line calls it before it spends half a minute calibrating ``local-cpu``)."""
     check_job(gpus=gpus, global_batch_size=global_batch_size)
     check_seq_len(seq_len)
-    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 0):
+    if top is not None and (isinstance(top, bool) or not isinstance(top, numbers.Integral) or top < 0):
         raise ValueError(f"plan: top={top!r} must be a positive integer (0 or None: every layout)")
     _check_constraints(constraints)
 

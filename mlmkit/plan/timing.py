@@ -117,7 +117,7 @@ def check_layout_fields(*, what: str = "plan", **fields) -> None:
 
 def check_seq_len(seq_len: object, *, what: str = "plan") -> None:
     """ValueError unless ``seq_len`` is None (the model's) or a positive integer."""
-    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral) or seq_len < 1):
         raise ValueError(f"{what}: seq_len={seq_len!r} must be a positive integer (or None: the model's)")
 
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import numbers
 import os
 import shutil
 from dataclasses import asdict
@@ -119,7 +120,7 @@ def save_checkpoint(trainer, directory: str, *, keep: Optional[int] = None, _bef
     checkpoints of ``directory``. ``_before_write(path)`` is a test hook called before each shard
     write.
     """
-    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, numbers.Integral) or keep < 1):
         raise ValueError(f"save_checkpoint: keep={keep!r} must be an integer >= 1 (or None: keep all)")
     _check_between_steps(trainer, "save_checkpoint")
     groups, cfg = trainer.groups, trainer.config

@@ -19,7 +19,7 @@ TOKENIZER_VOCAB = 256
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"TrainConfig: {name}={value!r} must be an integer >= {minimum}")
 
 

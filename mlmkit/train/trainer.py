@@ -16,6 +16,7 @@ One step (:meth:`Trainer.train_step`):
 from __future__ import annotations
 
 import contextlib
+import numbers
 import time
 from dataclasses import replace
 from typing import Optional
@@ -218,7 +219,7 @@ class Trainer:
             if steps < 0:
                 raise ValueError(f"Trainer.fit(): this trainer is at step {self.step}, past max_steps="
                                  f"{self.config.max_steps}: pass steps=N to train N more steps")
-        elif isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        elif isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
             raise ValueError(f"Trainer.fit(steps={steps!r}): steps must be a whole number >= 0")
         bar = None
         if progress and self.groups.rank == 0:
