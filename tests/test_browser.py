@@ -82,6 +82,41 @@ def test_quickstart_renders_in_jupyterlab(lab):
         signal.signal(signal.SIGALRM, previous)
 
 
+# The cells above `stop` not yet run, none of them running or queued: -1 while any prompt above
+# shows [*], else the index of the first code cell without an execution count (-2: all ran).
+_STALLED = """(stop) => { const nb = window.jupyterapp.shell.currentWidget.content;
+    const text = nb.widgets.slice(0, stop).map(c => { const p = c.node.querySelector('.jp-InputArea-prompt');
+                                                      return p ? p.textContent : ''; });
+    if (text.some(t => t.includes('*'))) return -1;
+    const first = nb.widgets.findIndex((c, i) => i < stop && c.model.type === 'code' && !/\\[\\d+\\]/.test(text[i]));
+    return first < 0 ? -2 : first; }"""
+_RESUME = """([first, stop]) => { const nb = window.jupyterapp.shell.currentWidget.content;
+    for (let i = first; i < stop; i++) {
+        if (nb.widgets[i].model.type !== 'code') continue;
+        nb.deselectAll(); nb.activeCellIndex = i; window.jupyterapp.commands.execute('notebook:run-cell'); }
+    return true; }"""
+
+
+def _wait_for_a_plot(page, stop: int, timeout_s: float = 150.0) -> None:
+    """Wait for the first plotly figure. Seen once (jupyter_server answered the kernel's websocket
+    with a 500 and the client reconnected): the execute requests of run-all-above were lost after
+    the first cell, and nothing ran or was queued. When the cells above ``stop`` stay idle with
+    some not run, for two checks in a row, the rest are queued again, cell by cell."""
+    deadline, idle = time.monotonic() + timeout_s, 0
+    while True:
+        try:
+            page.wait_for_selector(".jp-OutputArea-output .js-plotly-plot", timeout=10_000)
+            return
+        except Exception:  # noqa: BLE001 - not yet; a timeout below says so
+            if time.monotonic() > deadline:
+                raise
+        first = page.evaluate(_STALLED, stop)
+        idle = idle + 1 if first >= 0 else 0
+        if idle >= 2:
+            page.evaluate(_RESUME, [first, stop])
+            idle = 0
+
+
 def _drive_lab(sync_playwright, url, token, workdir):
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
@@ -112,7 +147,7 @@ def _drive_lab(sync_playwright, url, token, workdir):
                 except Exception:  # noqa: BLE001 - try again
                     page.screenshot(path=str(ARTIFACTS / "quickstart_lab_not_started.png"))
             assert started and shutdown_cell > 0, "run-all-above did not start (see quickstart_lab_not_started.png)"
-            page.wait_for_selector(".jp-OutputArea-output .js-plotly-plot", timeout=150_000)
+            _wait_for_a_plot(page, shutdown_cell)
             page.wait_for_selector(".jp-OutputArea-output .widget-dropdown select", timeout=150_000)
             page.wait_for_selector(".jp-OutputArea-output .widget-slider", timeout=60_000)
             page.wait_for_function(
