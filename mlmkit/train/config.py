@@ -152,16 +152,14 @@ class TrainConfig:
         _check_int("seed", self.seed, minimum=0)
         for name in ("sequence_parallel", "zero1", "tracing", "per_token_loss", "reshard_after_forward"):
             _check_bool(name, getattr(self, name))
-        # 2.0 passed and stayed a float; a numpy integer (a DataFrame's row) is an integer
-        if isinstance(self.zero, bool) or not isinstance(self.zero, numbers.Integral) or self.zero not in (0, 1, 2, 3):
+        if isinstance(self.zero, bool) or not isinstance(self.zero, int) or self.zero not in (0, 1, 2, 3):   # not 2.0
             raise ValueError(f"TrainConfig: zero={self.zero!r} must be a ZeRO stage 0, 1, 2 or 3")
         if self.zero1 and self.zero not in (0, 1):
             raise ValueError(f"TrainConfig: zero1=True asks for stage 1 but zero={self.zero}: give only zero={self.zero}")
-        object.__setattr__(self, "zero", 1 if self.zero1 else int(self.zero))
+        object.__setattr__(self, "zero", 1 if self.zero1 else self.zero)
         object.__setattr__(self, "zero1", self.zero == 1)
-        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, numbers.Integral) or self.prefetch not in (0, 1):
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch not in (0, 1):
             raise ValueError(f"TrainConfig: prefetch={self.prefetch!r} must be 0 or 1 (layers gathered ahead)")
-        object.__setattr__(self, "prefetch", int(self.prefetch))
         if self.zero < 3 and (self.prefetch or not self.reshard_after_forward):
             raise ValueError(f"TrainConfig: prefetch and reshard_after_forward apply to zero=3 only (zero={self.zero}); "
                              f"set zero=3 or leave them at their defaults")
