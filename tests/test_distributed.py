@@ -22,6 +22,13 @@ def _sum_of_ranks(rank, world_size, scale):
 def test_results_come_back_by_rank():
     out = run_ranks(_sum_of_ranks, world_size=4, args=(2.0,), timeout_s=60)
     assert out == [(r, 2.0 * (0 + 1 + 2 + 3)) for r in range(4)]
+    # Numbers read from a table are numpy's: a numpy timeout was refused as "not a number", and
+    # reached timedelta (which refuses numpy integers) once let through.
+    import numpy as np
+
+    out = run_ranks(_sum_of_ranks, world_size=np.int64(2), args=(1.0,), timeout_s=np.int64(60),
+                    collective_timeout_s=np.float32(30), threads=np.int64(1))
+    assert out == [(0, 1.0), (1, 1.0)]
 
 
 def _raise_on_rank_2(rank, world_size):

@@ -147,6 +147,37 @@ def test_costs_no_run_could_have_are_refused(costs, needle):
         simulate(make_schedule("1f1b", stages=2, microbatches=4), costs)
 
 
+@pytest.mark.parametrize("costs,needle", [
+    ({"forward": {1: 1.0, 2: 3.0}, "backward": 2.0}, r"a mapping of costs must be keyed by rank \(or virtual stage\) 0..n-1"),
+    ({"forward": {"a": 1.0}, "backward": 2.0}, r"keyed by rank"),
+    ({"forward": "1.0", "backward": 2.0}, r"costs.forward='1.0' must be a number or a sequence of numbers"),
+    ({"forward": [], "backward": 2.0}, r"costs.forward=\[\] is empty"),
+    ({"forward": 1.0, "overhead": [0.1, 0.2]}, r"costs.overhead=\[0.1, 0.2\] must be one finite number"),
+])
+def test_costs_of_a_shape_no_schedule_reads_are_refused(costs, needle):
+    with pytest.raises(ValueError, match=needle):
+        simulate(make_schedule("1f1b", stages=2, microbatches=4), costs)
+
+
+def test_costs_per_rank_read_the_same_in_every_container():
+    # A mapping {rank: cost} was read as its keys (list(dict)): forward costs 0 and 1 instead of 5
+    # and 7, a step of 14 instead of 43 without an error. Numpy scalars (a table's cells) failed with
+    # "object is not iterable"; numpy cores were refused as "not a number".
+    import numpy as np
+
+    s = make_schedule("1f1b", stages=2, microbatches=4)
+    want = simulate(s, {"forward": [5.0, 7.0], "backward": 2.0}).step_time
+    assert want == 43.0
+    for forward in ({0: 5.0, 1: 7.0}, {1: 7.0, 0: 5.0}, (5.0, 7.0), np.array([5.0, 7.0]), pd.Series([5.0, 7.0]),
+                    [np.float32(5.0), np.int64(7)]):
+        assert simulate(s, {"forward": forward, "backward": 2.0}).step_time == want, forward
+    scalars = {"forward": np.float32(1.0), "backward": np.int64(2), "overhead": np.float64(0.0)}
+    assert simulate(s, scalars).step_time == simulate(s, UNIFORM).step_time
+    assert simulate(s, UNIFORM, cores=np.int64(1)).step_time == simulate(s, UNIFORM, cores=1).step_time
+    costs = Costs(forward=np.array([5.0, 7.0]), backward=np.float32(2.0))
+    assert costs.forward == [5.0, 7.0] and type(costs.backward) is float
+
+
 @pytest.mark.parametrize("cores", [0, -2, float("nan"), True, "2", [2]])
 def test_cores_that_are_not_a_positive_number_are_refused(cores):
     # True simulated as one core, "2" raised a TypeError from a comparison.

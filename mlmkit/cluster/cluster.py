@@ -109,7 +109,7 @@ def max_local_engines() -> int:
 
 
 def _check_seconds(name: str, value: object, *, allow_zero: bool = False, upper: float = 24 * 3600) -> float:
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and value == value
+    ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and value == value
     if not ok or value < 0 or (value == 0 and not allow_zero) or value > upper:
         low = "0 <=" if allow_zero else "0 <"
         raise ValueError(f"Cluster: {name}={value!r} must be a number of seconds with {low} {name} <= {upper:g}")

@@ -144,9 +144,12 @@ def run_ranks(fn: Callable[..., Any], *, world_size: int, args: tuple = (), kwar
     for name, value in (("timeout_s", timeout_s), ("collective_timeout_s", collective_timeout_s)):
         if value is None and name == "collective_timeout_s":
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < float("inf"):
             raise ValueError(f"run_ranks: {name}={value!r} must be a finite number of seconds > 0"
                              + (" (or None: timeout_s)" if name == "collective_timeout_s" else ""))
+    # Seconds as floats and counts as ints (numpy's would reach timedelta and torch as types they refuse).
+    timeout_s = float(timeout_s)
+    collective_timeout_s = None if collective_timeout_s is None else float(collective_timeout_s)
     if isinstance(threads, bool) or not isinstance(threads, numbers.Integral) or threads < 1:
         raise ValueError(f"run_ranks: threads={threads!r} must be an integer >= 1 (torch threads per rank)")
     if backend is not None and backend not in ("gloo", "nccl"):
@@ -154,6 +157,7 @@ def run_ranks(fn: Callable[..., Any], *, world_size: int, args: tuple = (), kwar
     if isinstance(port_retries, bool) or not isinstance(port_retries, numbers.Integral) or port_retries < 0:
         raise ValueError(f"run_ranks: port_retries={port_retries!r} must be an integer >= 0")
     kwargs = kwargs or {}
+    world_size, threads = int(world_size), int(threads)
     for attempt in range(port_retries + 1):
         try:
             return _run_once(fn, world_size, args, kwargs, timeout_s,

@@ -17,7 +17,7 @@ import math
 import numbers
 from collections import deque
 from dataclasses import dataclass, fields
-from typing import Mapping, Optional, Sequence, Union
+from typing import Iterable, Mapping, Optional, Sequence, Union
 
 from mlmkit.pipeline.schedule import Action, Schedule, ScheduleError
 
@@ -48,14 +48,44 @@ class Costs:
 
     def __post_init__(self) -> None:
         # A negative or non-finite cost gives a timeline of no real run (NaN steps, actions that end
-        # before they start): refused here, naming the kind.
+        # before they start): refused here, naming the kind. Numbers are kept as floats and
+        # per-stage costs as a list of floats, whatever they came as (numpy scalars and arrays, a
+        # pandas Series: its values in order).
         for f in fields(self):
             value = getattr(self, f.name)
-            values = ([value] if isinstance(value, numbers.Real) else
-                      list(value.values()) if isinstance(value, Mapping) else list(value))
+            per_stage = f.name in ("forward", "backward", "weight")
+            if f.name == "times":         # ActionCosts: {(rank, kind, microbatch, chunk): seconds}
+                values = list(value.values()) if isinstance(value, Mapping) else [None]
+            elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+                values = [value]
+            elif not per_stage:
+                raise ValueError(f"costs.{f.name}={value!r} must be one finite number >= 0")
+            elif isinstance(value, Mapping):
+                # {rank: cost}: taken in key order when the keys are 0..n-1; list(value) would read
+                # the keys as the costs.
+                keys = list(value)
+                if any(isinstance(k, bool) or not isinstance(k, numbers.Integral) for k in keys) or \
+                        sorted(int(k) for k in keys) != list(range(len(keys))):
+                    raise ValueError(f"costs.{f.name}={value!r}: a mapping of costs must be keyed by rank (or "
+                                     f"virtual stage) 0..n-1; or give a list with one cost per rank, in order")
+                values = [v for _, v in sorted((int(k), v) for k, v in value.items())]
+            elif isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+                raise ValueError(f"costs.{f.name}={value!r} must be a number or a sequence of numbers (one per "
+                                 f"rank or per virtual stage)")
+            else:
+                values = list(value)
             for v in values:
                 if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < 0:
                     raise ValueError(f"costs.{f.name}={value!r}: every cost must be a finite number >= 0")
+            if f.name == "times":
+                continue
+            if isinstance(value, numbers.Real):
+                object.__setattr__(self, f.name, float(value))
+            else:
+                if not values:
+                    raise ValueError(f"costs.{f.name}={value!r} is empty: give a number, or one cost per rank "
+                                     f"or per virtual stage")
+                object.__setattr__(self, f.name, [float(v) for v in values])
 
     @classmethod
     def from_mapping(cls, costs: Union["Costs", Mapping]) -> "Costs":
@@ -69,9 +99,9 @@ class Costs:
 
     def _of(self, kind: str, schedule: Schedule, rank: int, chunk: int) -> float:
         value = getattr(self, kind)
-        if isinstance(value, (int, float)):
-            return float(value)
-        values = list(value)
+        if isinstance(value, float):
+            return value
+        values = value
         if len(values) == schedule.stages:
             return float(values[rank])
         if len(values) == schedule.virtual_stages:
@@ -545,7 +575,7 @@ def simulate(schedule: Schedule, costs: Union[Costs, Mapping[str, object]], *,
         validate(schedule)
         object.__setattr__(schedule, "_validated", True)
     costs = Costs.from_mapping(costs)
-    if cores is not None and (isinstance(cores, bool) or not isinstance(cores, (int, float)) or not cores > 0):
+    if cores is not None and (isinstance(cores, bool) or not isinstance(cores, numbers.Real) or not cores > 0):
         raise ValueError(f"simulate: cores={cores!r} must be a number > 0 (or None: one processor per rank)")
     shared = cores is not None and cores < schedule.stages
     if shared:
