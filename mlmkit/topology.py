@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from math import prod
 from typing import NamedTuple
 
+from mlmkit.scalars import plain_bool
+
 __all__ = ["AXES", "EXPERT_AXES", "GROUP_KINDS", "Coords", "ExpertCoords", "Topology"]
 
 #: Axes of the dense rank grid, fastest-varying first (Megatron-LM's "tp-cp-ep-dp-pp" with ep=1).
@@ -131,6 +133,7 @@ class Topology:
     def __post_init__(self) -> None:
         for name in ("tp", "cp", "dp", "pp", "ep", "expert_tp"):
             object.__setattr__(self, name, _check_degree(name, getattr(self, name)))
+        object.__setattr__(self, "experts", plain_bool(self.experts))      # numpy's bool too
         if not isinstance(self.experts, bool):
             raise ValueError(f"Topology: experts={self.experts!r} must be True or False")
         if self.ep > 1 or self.expert_tp > 1:

@@ -327,6 +327,20 @@ def test_numbers_read_from_a_table_are_integers():
     for bad in (2.0, True):
         with pytest.raises(ValueError, match=f"tp={bad!r} is not an integer"):
             Topology(tp=bad)
+    # numpy's bools (a DataFrame's boolean column) were refused as "must be true or false (a bool,
+    # not bool)"; they are the bools they equal, and a one-element array is still refused.
+    t, no = np.True_, np.False_
+    b = _config(GPTConfig(vocab_size=256, seq_len=16, hidden=32, heads=4, layers=4, bias=no, tie_embeddings=no),
+                tp=2, sequence_parallel=t, tracing=no, per_token_loss=t, batch_p2p=t, zero=3, reshard_after_forward=no)
+    assert b == _config(GPTConfig(vocab_size=256, seq_len=16, hidden=32, heads=4, layers=4, bias=False,
+                                  tie_embeddings=False), tp=2, sequence_parallel=True, tracing=False,
+                        per_token_loss=True, batch_p2p=True, zero=3, reshard_after_forward=False)
+    assert all(type(v) is bool for v in (b.sequence_parallel, b.tracing, b.batch_p2p, b.model.bias,
+                                         b.reshard_after_forward))
+    assert TrainConfig.from_dict(json.loads(json.dumps(b.to_dict()))) == b
+    assert Topology(tp=2, experts=t).experts is True and Layout(sequence_parallel=no).sequence_parallel is False
+    with pytest.raises(ValueError, match=r"sequence_parallel=array\(\[ True\]\) must be true or false"):
+        _config(tp=2, sequence_parallel=np.array([True]))
 
 
 def test_zero1_alias_and_replace():

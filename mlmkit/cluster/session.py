@@ -56,6 +56,7 @@ from mlmkit.cluster.cluster import Cluster, RankError
 from mlmkit.pipeline import ScheduleCursor, make_schedule
 from mlmkit.pipeline.batching import BatchCursor, plan_batches
 from mlmkit.pipeline.cursor import unfinished_microbatches
+from mlmkit.scalars import plain_bool
 from mlmkit.train.config import check_corpus
 
 __all__ = ["Session", "StateLost"]
@@ -256,6 +257,7 @@ class Session:
             # Engines work in another folder (Slurm and MPI engines in the cluster's own, local
             # ones where the cluster started): a relative path names the driver's file.
             config = config.replace(corpus=os.path.abspath(config.corpus))
+        save_every_step, keep_last_step = plain_bool(save_every_step), plain_bool(keep_last_step)
         for name, value in (("save_every_step", save_every_step), ("keep_last_step", keep_last_step)):
             if not isinstance(value, bool):
                 raise ValueError(f"Session: {name}={value!r} must be True or False")

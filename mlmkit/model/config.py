@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
+from mlmkit.scalars import plain_bool
+
 __all__ = ["ATTENTIONS", "MLPS", "NORMS", "POSITIONS", "ROUTERS", "DROP_POLICIES", "GPTConfig", "llama_config", "moe_config",
            "reject_unknown_keys", "tiny_config"]
 
@@ -152,7 +154,8 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         for f in fields(self):       # numpy numbers (a DataFrame's rows) are taken as the Python numbers they equal
-            value = getattr(self, f.name)
+            value = plain_bool(getattr(self, f.name))      # numpy's bools too
+            object.__setattr__(self, f.name, value)
             if isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value) is not int:
                 object.__setattr__(self, f.name, int(value))
             elif isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):

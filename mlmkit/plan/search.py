@@ -235,7 +235,7 @@ def plan(model: GPTConfig, *, gpus: int, gpu="h100-sxm", global_batch_size: int,
 
     hw = hardware(gpu)
     check_request(gpus=gpus, global_batch_size=global_batch_size, seq_len=seq_len, top=top, **constraints)
-    check_flash_attention(flash_attention, what="plan")
+    flash_attention = check_flash_attention(flash_attention, what="plan")
     s = seq_len or model.seq_len
     if s != model.seq_len:
         from dataclasses import replace

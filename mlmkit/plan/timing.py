@@ -69,6 +69,7 @@ from mlmkit.estimate.params import local_parameters
 from mlmkit.model.config import GPTConfig
 from mlmkit.pipeline.schedule import SCHEDULES
 from mlmkit.plan.hardware import GiB, Hardware
+from mlmkit.scalars import plain_bool
 from mlmkit.topology import Topology
 
 __all__ = ["Layout", "check_flash_attention", "check_layout_fields", "check_mlmkit_runtime", "check_seq_len",
@@ -97,6 +98,7 @@ def check_layout_fields(*, what: str = "plan", **fields) -> None:
     take: degrees, chunks and the micro-batch size are positive integers, the schedule one of
     mlmkit's, recompute none/selective/full, zero 0-3, sequence_parallel a bool."""
     for name, value in fields.items():
+        value = plain_bool(value)
         if name in ("tp", "cp", "pp", "dp", "ep", "chunks", "micro_batch_size"):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise ValueError(f"{what}: {name}={value!r} must be a positive integer (1 switches that axis off)"
@@ -141,6 +143,7 @@ class Layout:
         check_layout_fields(**{f: getattr(self, f) for f in LAYOUT_FIELDS}, what="Layout")
         for name in ("tp", "cp", "pp", "dp", "ep", "chunks", "micro_batch_size", "zero"):   # numpy integers too
             object.__setattr__(self, name, int(getattr(self, name)))
+        object.__setattr__(self, "sequence_parallel", plain_bool(self.sequence_parallel))
         if self.chunks > 1 and self.schedule not in CHUNKED_SCHEDULES:
             raise ValueError(f"Layout: chunks={self.chunks} needs a schedule with model chunks "
                              f"({', '.join(CHUNKED_SCHEDULES)}), not schedule={self.schedule!r}")
@@ -356,11 +359,14 @@ def _predict_mlmkit(model: GPTConfig, hw: Hardware, L: Layout, *, m: int, s: int
             "pp_comm_s": 0.0, "bubble_s": bubble, "dp_comm_s": dp, "optimizer_s": optimizer}
 
 
-def check_flash_attention(value: object, *, what: str) -> None:
-    """ValueError unless ``flash_attention`` is a bool (a string such as "no" would read as true)."""
+def check_flash_attention(value: object, *, what: str) -> bool:
+    """``flash_attention`` as a bool (numpy's too); ValueError for anything else (a string such as
+    "no" would read as true)."""
+    value = plain_bool(value)
     if not isinstance(value, bool):
         raise ValueError(f"{what}: flash_attention={value!r} must be true or false (a bool, not "
                          f"{type(value).__name__})")
+    return value
 
 
 def _mlmkit_memory(model: GPTConfig, layout: Layout, *, microbatches: int, precision: str) -> tuple[float, float]:
@@ -382,7 +388,7 @@ def predict(model: GPTConfig, hw: Hardware, layout: Layout, *, global_batch_size
     (module docstring). Raises ``ValueError`` when the layout does not divide the job."""
     L = layout
     check_seq_len(seq_len, what="predict")
-    check_flash_attention(flash_attention, what="predict")
+    flash_attention = check_flash_attention(flash_attention, what="predict")
     if hw.runtime == "megatron" and L.schedule not in MEGATRON_SCHEDULES:
         raise ValueError(f"predict: schedule={L.schedule!r}: the time model of Megatron-LM's runtime ({hw.name}) "
                          f"covers {' and '.join(MEGATRON_SCHEDULES)}; simulate other schedules with "

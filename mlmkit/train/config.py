@@ -10,6 +10,7 @@ from typing import Optional
 
 from mlmkit.model.config import GPTConfig, reject_unknown_keys
 from mlmkit.pipeline.schedule import MAX_MICROBATCHES, SCHEDULES, make_schedule
+from mlmkit.scalars import plain_bool
 from mlmkit.topology import Topology
 
 __all__ = ["TOKENIZER_VOCAB", "TrainConfig", "check_corpus", "demo_config"]
@@ -141,6 +142,9 @@ class TrainConfig:
                 object.__setattr__(self, name, int(value))
             elif isinstance(value, numbers.Real) and not isinstance(value, (bool, float)):
                 object.__setattr__(self, name, float(value))
+        for name in ("sequence_parallel", "zero1", "tracing", "per_token_loss", "reshard_after_forward", "batch_p2p",
+                     "recompute"):           # numpy's bools (a DataFrame's boolean column) as bools
+            object.__setattr__(self, name, plain_bool(getattr(self, name)))
         if not isinstance(self.model, GPTConfig):
             raise ValueError(f"TrainConfig.model must be a GPTConfig, got {type(self.model).__name__}")
         if all(type(d) is int for d in (self.ep, self.expert_tp)) and not self.model.moe:
