@@ -595,3 +595,15 @@ def test_calibrate_takes_one_pipeline_and_refuses_other_ranks():
     costs = calibrate(four, s, ranks=[0, 2])
     assert costs.forward == [1.0, 3.0] and costs.backward == [2.0, 5.0]
     assert calibrate(tl, s).forward == [1.0, 3.0]
+    # A set of ranks has no stage order: {0, 4, 8, 12} iterates 0, 8, 4, 12, and calibrate() priced
+    # stage 1 with stage 2's times without a word. Refused, as in replay() and timeline_comparison().
+    s4 = make_schedule("1f1b", stages=4, microbatches=4)
+    tl4 = simulate(s4, Costs(forward=[1.0, 2.0, 3.0, 4.0], backward=2.0)).timeline
+    wide = tl4.assign(rank=tl4["rank"] * 4)                        # tp=4: pipeline 0 is ranks 0, 4, 8, 12
+    assert calibrate(wide, s4, ranks=[0, 4, 8, 12]).forward == [1.0, 2.0, 3.0, 4.0]
+    from mlmkit.pipeline import replay
+
+    for call in (lambda r: calibrate(wide, s4, ranks=r), lambda r: replay(wide, s4, ranks=r)):
+        for unordered in ({0, 4, 8, 12}, frozenset({0, 4, 8, 12}), {0: 0, 4: 1, 8: 2, 12: 3}):
+            with pytest.raises(ValueError, match=r"is unordered; give one pipeline's global ranks as a list"):
+                call(unordered)

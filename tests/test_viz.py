@@ -218,6 +218,8 @@ def test_timeline_comparison_puts_each_stage_under_its_own_stage():
         assert above == pytest.approx(below) and len(above) == 4
     with pytest.raises(ValueError, match=r"ranks=\[0\] must name one global rank per pipeline rank"):
         timeline_comparison(sim, measured, ranks=[0])
+    with pytest.raises(ValueError, match=r"ranks=\{0, 2\} is unordered; give one pipeline's global ranks as a list"):
+        timeline_comparison(sim, measured, ranks={0, 2})
     two = pd.concat([measured, measured.assign(step=4)], ignore_index=True)
     with pytest.raises(ValueError, match=r"holds 2 steps \(3..4\), the simulation one: pass one"):
         timeline_comparison(sim, two, ranks=[0, 2])

@@ -17,7 +17,7 @@ import math
 import numbers
 from collections import deque
 from dataclasses import dataclass, fields
-from typing import Iterable, Mapping, Optional, Sequence, Union
+from typing import AbstractSet, Iterable, Mapping, Optional, Sequence, Union
 
 from mlmkit.pipeline.schedule import Action, Schedule, ScheduleError
 
@@ -139,6 +139,10 @@ def _pipeline_rows(timeline, schedule: Schedule, ranks: Optional[Sequence[int]],
                              f"pipeline ranks: pass ranks= one pipeline's global ranks, stage by stage "
                              f"(topology.groups('pp')[0])")
         return timeline
+    if isinstance(ranks, (AbstractSet, Mapping)):
+        # A set has no order: {0, 4, 8, 12} iterates 0, 8, 4, 12, and stage 1 would read rank 8's rows.
+        raise ValueError(f"{who}: ranks={ranks!r} is unordered; give one pipeline's global ranks as a list, stage "
+                         f"by stage (topology.groups('pp')[0])")
     ranks = [int(r) for r in ranks]
     if len(ranks) != schedule.stages:
         raise ValueError(f"{who}: ranks={ranks} name {len(ranks)} stages, the schedule has {schedule.stages}: "

@@ -8,7 +8,7 @@ a standalone HTML file (plotly.js embedded: it opens offline).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import AbstractSet, Mapping, Optional, Sequence
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -303,6 +303,9 @@ def timeline_comparison(simulated: pd.DataFrame, measured: pd.DataFrame, *, rank
                          f"{steps[-1]}), the simulation one: pass one, e.g. events[events.step == {steps[-1]}]")
     stages = sorted(int(r) for r in simulated["rank"].unique())
     if ranks is not None:
+        if isinstance(ranks, (AbstractSet, Mapping)):      # {0, 4, 8, 12} iterates 0, 8, 4, 12
+            raise ValueError(f"timeline_comparison: ranks={ranks!r} is unordered; give one pipeline's global ranks "
+                             f"as a list, stage by stage: topology.groups('pp')[0]")
         ranks = [int(r) for r in ranks]
         if len(ranks) != len(stages) or len(set(ranks)) != len(ranks):
             raise ValueError(f"timeline_comparison: ranks={ranks} must name one global rank per pipeline rank of "
