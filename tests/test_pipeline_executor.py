@@ -283,6 +283,62 @@ def test_more_stages_than_layers_fails_before_any_process():
         tiny_config(layers=4).check_parallel(pp=4, chunks=2)
 
 
+# ------------------------------------------------------------------------------- uneven stages
+UNEVEN = [("1f1b", 1, (5, 3)), ("zb-h1", 1, (2, 6)), ("interleaved-1f1b", 2, (3, 1, 2, 2)), ("zb-v", 2, (1, 3, 2, 2))]
+
+
+def _uneven_sweep(rank, world_size, m):
+    groups = ProcessGroups.build(Topology(pp=world_size))
+    out = []
+    for name, chunks, counts in UNEVEN:
+        schedule = make_schedule(name, stages=world_size, microbatches=m, chunks=chunks)
+        models = build_model_chunks(CFG, groups=groups, chunks=chunks, layers_per_stage=counts,
+                                    placement=schedule.placement, split_backward=schedule.split_backward)
+        memory = MemoryTracker(rank=groups.rank, params=[p for model in models for p in model.parameters()])
+        ex = PipelineExecutor(schedule=schedule, chunks=models, groups=groups, memory=memory)
+        loss = ex.run_step(*_data(m))
+        grads = {}
+        for model in models:
+            grads.update(gather_full(model, grads=True))
+        out.append({"loss": loss, "grads": grads, "memory": memory.frame(),
+                    "layers": [list(model.stage.layers) for model in models]})
+    return out
+
+
+def test_stages_of_unequal_layer_counts_match_serial_and_their_estimate():
+    # layers_per_stage (the executor's and the estimators'): every layer once, in order, on the
+    # virtual stage the counts give it (the V placement's too), the serial model's loss and
+    # gradients, and the estimators' bytes for that split. The estimators once took any counts
+    # (a list for 6 layers of an 8-layer model estimated 6) while the model refused them.
+    from mlmkit.estimate import estimate_memory
+    from mlmkit.estimate.compare import compare_memory
+
+    m = 4
+    per_rank = run_ranks(_uneven_sweep, world_size=2, args=(m,), timeout_s=300)
+    for i, (name, chunks, counts) in enumerate(UNEVEN):
+        results = [per_rank[r][i] for r in range(2)]
+        _check(results, m)
+        schedule = make_schedule(name, stages=2, microbatches=m, chunks=chunks)
+        starts = [sum(counts[:vs]) for vs in range(len(counts))]
+        for r in range(2):
+            want = [list(range(starts[vs], starts[vs] + counts[vs]))
+                    for vs in (schedule.virtual_stage(r, c) for c in range(chunks))]
+            assert results[r]["layers"] == want, (name, r, results[r]["layers"], want)
+        est = estimate_memory(CFG, Topology(pp=2), micro_batch_size=MB_SIZE, microbatches=m, schedule=name,
+                              chunks=chunks, precision="fp32", layers_per_stage=counts)
+        table = compare_memory(pd.concat([r["memory"] for r in results]), est)
+        table = table[table.kind != "optimizer"]                 # no optimizer here
+        assert (table.measured == table.estimated).all(), (name, table[table.measured != table.estimated])
+        even = estimate_memory(CFG, Topology(pp=2), micro_batch_size=MB_SIZE, microbatches=m, schedule=name,
+                               chunks=chunks, precision="fp32")
+        assert not est.equals(even)                              # the split really moved bytes
+    for bad in ((3, 3), (4, 4, 0), (4.0, 4.0), {3, 5}):
+        with pytest.raises(ValueError, match=r"layers_per_stage=.* (must list 2 positive whole counts summing to 8|"
+                                             r"must be a list of 2 layer counts)"):
+            estimate_memory(CFG, Topology(pp=2), micro_batch_size=MB_SIZE, microbatches=m, precision="fp32",
+                            layers_per_stage=bad)
+
+
 # ------------------------------------------------------------------------------- memory held in a step
 def _untracked(groups, name, m, chunks, batch_p2p):
     """The most bytes alive on this rank during a step beyond what MemoryTracker counts."""

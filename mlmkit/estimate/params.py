@@ -11,7 +11,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from mlmkit.model.config import GPTConfig
+from mlmkit.model.config import GPTConfig, split_layers
 from mlmkit.topology import Topology
 
 __all__ = ["LocalParam", "check_estimate", "local_parameters", "moe_idle_experts", "moe_kept_by_expert",
@@ -29,23 +29,12 @@ class LocalParam:
     expert: bool = False       # an expert's parameter: split over expert-tp, reduced over expert-dp
 
 
-def _split_layers(num_layers: int, stages: int, layers_per_stage: Optional[Sequence[int]] = None) -> list[tuple[int, ...]]:
-    if layers_per_stage is None:
-        base, extra = divmod(num_layers, stages)
-        layers_per_stage = [base + (1 if i < extra else 0) for i in range(stages)]
-    out, start = [], 0
-    for n in layers_per_stage:
-        out.append(tuple(range(start, start + n)))
-        start += n
-    return out
-
-
 def stage_layout(model: GPTConfig, topology: Topology, *, pp_rank: int, chunks: int = 1,
                  layers_per_stage: Optional[Sequence[int]] = None, placement: str = "loop") -> list[dict]:
     """For each chunk of pipeline rank ``pp_rank``: its virtual stage (``placement`` "loop" or
     "v", see :mod:`mlmkit.pipeline.schedule`), its layers and whether it holds the two ends."""
     p = topology.pp
-    layout = _split_layers(model.layers, p * chunks, layers_per_stage)
+    layout = split_layers(model.layers, p * chunks, layers_per_stage)
     out = []
     for c in range(chunks):
         vs = (pp_rank if c == 0 else 2 * p - 1 - pp_rank) if placement == "v" else c * p + pp_rank

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Set as AbstractSet
 from dataclasses import asdict, dataclass, fields
-from typing import Optional
+from typing import Optional, Sequence
 
 from mlmkit.scalars import plain_bool
 
-__all__ = ["ATTENTIONS", "MLPS", "NORMS", "POSITIONS", "ROUTERS", "DROP_POLICIES", "GPTConfig", "llama_config", "moe_config",
+__all__ = ["ATTENTIONS", "MLPS", "NORMS", "POSITIONS", "ROUTERS", "DROP_POLICIES", "GPTConfig", "split_layers", "llama_config", "moe_config",
            "reject_unknown_keys", "tiny_config"]
 
 NORMS = ("layernorm", "rmsnorm")
@@ -347,3 +347,34 @@ def llama_config(**overrides) -> GPTConfig:
                 tie_embeddings=False)
     base.update(overrides)
     return GPTConfig(**base)
+
+
+def split_layers(num_layers: int, num_stages: int,
+                 layers_per_stage: Optional[Sequence[int]] = None) -> list[tuple[int, ...]]:
+    """Global layer indices of each (virtual) pipeline stage: evenly, earlier stages taking the
+    remainder, or as ``layers_per_stage`` lists them (one positive whole count per stage, in stage
+    order, summing to ``num_layers``). The model, the executor and the estimators split alike.
+
+    Raises:
+        ValueError: more stages than layers, or counts of another length, sum or kind (a count
+            list for another model once estimated layers the model does not have).
+    """
+    if num_stages > num_layers:
+        raise ValueError(f"{num_stages} stages but only {num_layers} layers: each stage needs at least one layer")
+    if layers_per_stage is None:
+        base, extra = divmod(num_layers, num_stages)
+        layers_per_stage = [base + (1 if i < extra else 0) for i in range(num_stages)]
+    if isinstance(layers_per_stage, (str, bytes, AbstractSet, Mapping)) or not isinstance(layers_per_stage, Iterable):
+        raise ValueError(f"layers_per_stage={layers_per_stage!r} must be a list of {num_stages} layer counts, in "
+                         f"stage order")
+    counts = list(layers_per_stage)
+    if (len(counts) != num_stages or any(isinstance(n, bool) or not isinstance(n, numbers.Integral) for n in counts)
+            or sum(counts) != num_layers or min(counts) < 1):
+        raise ValueError(
+            f"layers_per_stage={counts} must list {num_stages} positive whole counts summing to {num_layers}"
+        )
+    out, start = [], 0
+    for n in counts:
+        out.append(tuple(range(start, start + int(n))))
+        start += int(n)
+    return out

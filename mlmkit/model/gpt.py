@@ -23,7 +23,7 @@ Liu et al. 2023 (ring attention, context parallelism).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Optional, Union
 
 import torch
 from torch import nn
@@ -38,7 +38,7 @@ from mlmkit.model.blocks import (
     rotary_cos_sin,
     seeded_normal,
 )
-from mlmkit.model.config import GPTConfig
+from mlmkit.model.config import GPTConfig, split_layers
 from mlmkit.tensor_parallel.comm import copy_to_tp, gather_from_sequence, gather_from_tp
 from mlmkit.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from mlmkit.tensor_parallel.layers import VocabParallelEmbedding, mark_parameter
@@ -87,26 +87,6 @@ class Stage:
     @classmethod
     def whole(cls, config: GPTConfig) -> "Stage":
         return cls(layers=tuple(range(config.layers)))
-
-
-def split_layers(num_layers: int, num_stages: int,
-                 layers_per_stage: Optional[Sequence[int]] = None) -> list[tuple[int, ...]]:
-    """Global layer indices of each stage: evenly (earlier stages get the remainder) or as listed."""
-    if num_stages > num_layers:
-        raise ValueError(f"{num_stages} stages but only {num_layers} layers: each stage needs at least one layer")
-    if layers_per_stage is None:
-        base, extra = divmod(num_layers, num_stages)
-        layers_per_stage = [base + (1 if i < extra else 0) for i in range(num_stages)]
-    counts = list(layers_per_stage)
-    if len(counts) != num_stages or sum(counts) != num_layers or min(counts) < 1:
-        raise ValueError(
-            f"layers_per_stage={counts} must list {num_stages} positive counts summing to {num_layers}"
-        )
-    out, start = [], 0
-    for n in counts:
-        out.append(tuple(range(start, start + n)))
-        start += n
-    return out
 
 
 # ------------------------------------------------------------------------------------------ the model
