@@ -31,6 +31,23 @@ def test_results_come_back_by_rank():
     assert out == [(0, 1.0), (1, 1.0)]
 
 
+def test_a_slurm_tasks_view_of_its_node():
+    # Tasks on this rank's node (each rank's torch threads are the node's CPUs shared among them):
+    # Slurm writes uneven nodes as "2(x3),1"; every rank once read the first node's count (a rank on
+    # the last node, alone there, took half its CPUs), and "--ntasks-per-node" the job's setting.
+    from mlmkit.distributed.rendezvous import _tasks_per_node, job_env
+
+    assert _tasks_per_node("2(x3),1") == [2, 2, 2, 1] and _tasks_per_node("4") == [4]
+    base = {"SLURM_PROCID": "6", "SLURM_NTASKS": "7", "SLURM_STEP_ID": "0", "SLURM_LOCALID": "0",
+            "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    job = job_env({**base, "SLURM_TASKS_PER_NODE": "2(x3),1", "SLURM_NODEID": "3"})
+    assert (job.rank, job.world_size, job.local_world_size, job.launcher, job.master_port) == (6, 7, 1, "slurm", 29500)
+    assert job_env({**base, "SLURM_STEP_TASKS_PER_NODE": "3,4", "SLURM_TASKS_PER_NODE": "4(x2)",
+                    "SLURM_NODEID": "0"}).local_world_size == 3
+    assert job_env({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}).local_world_size == 2
+    assert job_env({}).launcher == "none"
+
+
 def _raise_on_rank_2(rank, world_size):
     if rank == 2:
         raise KeyError("boom on purpose")

@@ -55,6 +55,15 @@ class JobEnv:
     cpus_per_task: Optional[int] = None
 
 
+def _tasks_per_node(text: str) -> list[int]:
+    """Slurm's compressed tasks-per-node list, one entry per node: ``"2(x3),1"`` -> ``[2, 2, 2, 1]``."""
+    out = []
+    for part in text.split(","):
+        count, _, times = part.partition("(x")
+        out += [int(count)] * (int(times.rstrip(")")) if times else 1)
+    return out
+
+
 def job_env(env: Mapping[str, str] = os.environ) -> JobEnv:
     """torchrun's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``...) when set, else Slurm's
     (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``...: a process started by ``srun``, with
@@ -67,8 +76,10 @@ def job_env(env: Mapping[str, str] = os.environ) -> JobEnv:
                       int(env.get("LOCAL_WORLD_SIZE", world)), *master, launcher="torchrun")
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and env.get("SLURM_STEP_ID") is not None:
         world = int(env["SLURM_NTASKS"])
-        per_node = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or str(world)
-        local_world = int(per_node.split("(")[0].split(",")[0])
+        per_node = _tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+                                   or str(world))
+        node = int(env.get("SLURM_NODEID", 0))
+        local_world = per_node[node] if node < len(per_node) else per_node[0]
         cpus = env.get("SLURM_CPUS_PER_TASK")
         return JobEnv(int(env["SLURM_PROCID"]), world, int(env.get("SLURM_LOCALID", 0)), local_world, *master,
                       launcher="slurm", cpus_per_task=int(cpus) if cpus else None)
