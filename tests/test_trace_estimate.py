@@ -225,6 +225,11 @@ def test_a_trace_of_two_steps_reads_as_steps_not_as_one_long_one(tmp_path):
     runs = run_ranks(_two_steps_apart, world_size=4, args=(cfg.to_dict(),), timeout_s=300)
     one = merge_traces(r[0] for r in runs)
     two = merge_traces(r[1] for r in runs)
+    # a dict by rank (what Cluster.run returns) merges the same; a list of something else is named
+    by_rank = merge_traces({r: runs[r][1] for r in (3, 1, 0, 2)})
+    assert all(by_rank[k].equals(two[k]) for k in ("events", "comm", "memory")) and by_rank["t0"] == two["t0"]
+    with pytest.raises(ValueError, match=r"merge_traces: item 0 is a int, not one rank's traces"):
+        merge_traces(list({r: runs[r][1] for r in range(4)}))
     assert one["clock"] == "monotonic"            # one machine: the times as recorded
     assert {r[0]["clock"]["host"] for r in runs} == {socket.gethostname()}
     assert set(one["events"].step) == set(one["comm"].step) == {1}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Iterable
+from typing import Iterable, Mapping
 
 __all__ = ["merge_traces", "to_chrome_trace"]
 
@@ -13,7 +13,8 @@ TIME_COLUMNS = {"events": ("start", "end"), "comm": ("start", "end"), "memory": 
 
 
 def merge_traces(per_rank: Iterable[dict]) -> dict:
-    """Concatenate each kind of frame (``events``, ``comm``, ``memory``, ``ring``, ``moe``) over ranks.
+    """Concatenate each kind of frame (``events``, ``comm``, ``memory``, ``ring``, ``moe``) over ranks:
+    ``per_rank`` is each rank's :meth:`Trainer.traces`, as a list or a dict by rank (``Cluster.run``'s).
 
     Times are seconds of ``time.perf_counter`` (CLOCK_MONOTONIC), which the processes of one
     machine share. Each machine has its own (it counts from its boot): when the ranks' traces say
@@ -25,7 +26,13 @@ def merge_traces(per_rank: Iterable[dict]) -> dict:
     """
     import pandas as pd
 
+    if isinstance(per_rank, Mapping):        # {rank: traces}, as Cluster.run returns them
+        per_rank = [per_rank[r] for r in sorted(per_rank)]
     per_rank = list(per_rank)
+    for i, d in enumerate(per_rank):
+        if not isinstance(d, Mapping):
+            raise ValueError(f"merge_traces: item {i} is a {type(d).__name__}, not one rank's traces (a dict of "
+                             f"frames from Trainer.traces()); pass a list of them, or a dict by rank")
     hosts = {d["clock"]["host"] for d in per_rank if "clock" in d}
     wall = len(hosts) > 1
     if wall and not all("clock" in d for d in per_rank):
