@@ -15,7 +15,7 @@ import torch
 from mlmkit.distributed import ProcessGroups, RankFailure, run_ranks
 from mlmkit.model import GPT, GPTConfig
 from mlmkit.train import TrainConfig
-from mlmkit.train.config import check_corpus
+from mlmkit.train.config import check_corpus, demo_config
 from mlmkit.train.checkpoint import CheckpointError, export_state_dict, load_checkpoint, save_checkpoint
 from mlmkit.train.data import TextData
 from mlmkit.train.lr import lr_at
@@ -655,7 +655,8 @@ def test_bad_train_configs_are_named(change, needle):
                                           (["--save-every", "5"], "--save-every needs --save-dir"),
                                           (["--top-k", "4", "--moe-capacity-factor", "1"], "--top-k, "
                                            "--moe-capacity-factor apply to a mixture of experts, and this model has "
-                                           "none: add --experts N")])
+                                           "none: add --experts N"),
+                                          (["--top-k", "2"], "--top-k applies to a mixture of experts")])
 def test_bad_cli_flags_fail_before_any_process_group(flags, needle):
     out = subprocess.run([sys.executable, "-m", "mlmkit.train", *flags], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and needle in out.stderr, out.stderr[-2000:]
@@ -718,6 +719,29 @@ def test_a_batch_job_records_no_traces(tmp_path):
     BASE.replace(tracing=True).save(str(config))
     for argv in ([], ["--config", str(config)], ["--config", str(config), "--tp", "2"]):
         assert build_config(_parse(argv)).tracing is False, argv
+
+
+def test_a_schedule_flag_brings_its_chunks(tmp_path):
+    # `--schedule zb-v` alone was refused ("runs exactly 2 model chunks per rank ... not chunks=1"),
+    # and a config of a V schedule given `--schedule 1f1b` was refused for its chunks=2: the one
+    # chunk count those schedules run is taken unless --chunks says otherwise.
+    from mlmkit.train.__main__ import _parse, build_config
+
+    def chunks(*argv):
+        cfg = build_config(_parse(list(argv)))
+        return cfg.schedule, cfg.chunks
+
+    assert chunks("--schedule", "zb-v") == ("zb-v", 2) and chunks("--schedule", "dualpipev", "--global-batch-size",
+                                                                   "32") == ("dualpipev", 2)
+    assert chunks("--schedule", "interleaved-1f1b") == ("interleaved-1f1b", 2)
+    config = tmp_path / "v.json"
+    demo_config(schedule="zb-v", chunks=2).save(str(config))
+    for name in ("1f1b", "zb-h1", "gpipe"):
+        assert chunks("--config", str(config), "--schedule", name) == (name, 1)
+    assert chunks("--config", str(config)) == ("zb-v", 2)
+    with pytest.raises(ValueError, match=r"'zb-v' runs exactly 2 model chunks per rank, in a V \(chunks=2\), not "
+                                         r"chunks=1"):
+        build_config(_parse(["--schedule", "zb-v", "--chunks", "1"]))      # said outright: refused, as before
 
 
 def test_files_a_run_reads_and_writes_are_checked_before_it_starts(tmp_path):

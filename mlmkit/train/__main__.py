@@ -15,6 +15,7 @@ import json
 import os
 import sys
 
+from mlmkit.pipeline.schedule import SCHEDULES, V_SCHEDULES
 from mlmkit.train.config import TrainConfig, check_corpus, demo_config
 
 
@@ -27,7 +28,8 @@ def _parse(argv):
         p.add_argument(f"--{name}", type=int)
     for name in ("lr", "min-lr", "grad-clip", "weight-decay"):
         p.add_argument(f"--{name}", type=float)
-    p.add_argument("--schedule")
+    p.add_argument("--schedule", help="gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v or dualpipev; without --chunks, the "
+                                      "chunks it runs (2 for zb-v, dualpipev and interleaved-1f1b, else 1)")
     p.add_argument("--cp-split", choices=["balanced", "naive"],
                    help="how --cp divides each sequence: balanced (2cp chunks, Megatron-LM's) or naive")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3],
@@ -84,6 +86,15 @@ def build_config(args) -> TrainConfig:
         raise SystemExit("python -m mlmkit.train: --recompute-granularity needs --recompute")
     if args.recompute:
         overrides["recompute"] = args.recompute_granularity or "full"
+    if args.schedule is not None and args.chunks is None:
+        # --schedule alone: the chunks it runs (zb-v and dualpipev: a V of 2; interleaved 1F1B: the
+        # config's if it has several, else 2; the others: 1), not the config's for another schedule.
+        if args.schedule in V_SCHEDULES:
+            overrides["chunks"] = 2
+        elif args.schedule == "interleaved-1f1b":
+            overrides["chunks"] = cfg.chunks if cfg.chunks > 1 else 2
+        elif args.schedule in SCHEDULES:
+            overrides["chunks"] = 1
     model = {}
     if args.arch is not None:
         model.update(ARCHITECTURES[args.arch])
@@ -103,7 +114,8 @@ def build_config(args) -> TrainConfig:
     given = [f"--{flag.replace('_', '-')}" for flag in ("top_k", "moe_aux_loss_coeff", "moe_capacity_factor")
              if getattr(args, flag) is not None]
     if given and not cfg.model.moe:                     # they changed nothing
-        raise ValueError(f"{', '.join(given)} apply to a mixture of experts, and this model has none: add --experts N")
+        raise ValueError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to a mixture of experts, and "
+                         f"this model has none: add --experts N")
     return cfg
 
 
