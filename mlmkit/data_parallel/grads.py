@@ -35,19 +35,17 @@ __all__ = ["allreduce_gradients", "bucketize", "clip_grad_norm", "counted_once",
 
 def bucketize(params: Sequence[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
     """Split ``params`` (in the given order) into consecutive buckets of at most ``bucket_bytes``
-    (a parameter larger than a bucket gets a bucket of its own)."""
+    (a parameter larger than a bucket gets a bucket of its own, and so does a tied word embedding's
+    copy: see :func:`allreduce_gradients`)."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1")
-    buckets, current, size = [], [], 0
-    for p in params:
-        nbytes = p.numel() * p.element_size()
-        if current and size + nbytes > bucket_bytes:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(p)
-        size += nbytes
-    if current:
-        buckets.append(current)
+    params = list(params)
+    counts = _bucket_sizes([p.numel() * p.element_size() for p in params], bucket_bytes,
+                           alone=[bool(getattr(p, "tied_embedding", False)) for p in params])
+    buckets, start = [], 0
+    for n in counts:
+        buckets.append(params[start:start + n])
+        start += n
     return buckets
 
 
@@ -58,7 +56,9 @@ def allreduce_gradients(params: Iterable[nn.Parameter], dp: CommGroup, *, bucket
 
     The gradients are :func:`~mlmkit.tensor_parallel.param_grad` (fp32 ``main_grad`` under mixed
     precision); ``reduce_dtype`` (e.g. bf16) is the dtype on the wire, default: the gradients' own.
-    Buckets are sized by the bytes on the wire.
+    Buckets are sized by the bytes on the wire. A tied word embedding's copy (``tied_embedding``)
+    is a bucket of its own, as Megatron-LM makes it: its two copies (first and last stage, summed
+    over the embedding group before) are reduced in the same layout and stay equal to the bit.
     forward/backward: not an autograd op; call it after backward, before the optimizer step.
     """
     params = [p for p in params if p.requires_grad]
@@ -73,7 +73,8 @@ def allreduce_gradients(params: Iterable[nn.Parameter], dp: CommGroup, *, bucket
         return 0
     grads = [param_grad(p) for p in reversed(params)]
     wire = reduce_dtype or grads[0].dtype
-    sizes = _bucket_sizes([g.numel() * torch.tensor([], dtype=wire).element_size() for g in grads], bucket_bytes)
+    sizes = _bucket_sizes([g.numel() * torch.tensor([], dtype=wire).element_size() for g in grads], bucket_bytes,
+                          alone=[bool(getattr(p, "tied_embedding", False)) for p in reversed(params)])
     start = 0
     for i, count in enumerate(sizes):
         bucket = grads[start:start + count]
@@ -88,17 +89,22 @@ def allreduce_gradients(params: Iterable[nn.Parameter], dp: CommGroup, *, bucket
     return len(sizes)
 
 
-def _bucket_sizes(nbytes: Sequence[int], bucket_bytes: int) -> list[int]:
-    # How many consecutive tensors each bucket takes (the rule of bucketize, on byte sizes).
-    counts, size = [], 0
-    for n in nbytes:
-        if counts and size + n > bucket_bytes:
+def _bucket_sizes(nbytes: Sequence[int], bucket_bytes: int, *, alone: Optional[Sequence[bool]] = None) -> list[int]:
+    # How many consecutive tensors each bucket takes (the rule of bucketize, on byte sizes). A tensor
+    # marked ``alone`` (a tied word embedding's copy) is a bucket of its own: the ring reduction adds
+    # an element's replicas in an order that depends on its place in the bucket, so the first and
+    # the last stage's copies, identical before, stay identical only if reduced in the same layout.
+    counts, size, single = [], 0, False
+    for i, n in enumerate(nbytes):
+        lone = bool(alone[i]) if alone is not None else False
+        if counts and (size + n > bucket_bytes or lone or single):
             counts.append(0)
             size = 0
         if not counts:
             counts.append(0)
         counts[-1] += 1
         size += n
+        single = lone
     return counts
 
 

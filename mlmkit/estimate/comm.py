@@ -46,14 +46,15 @@ from mlmkit.trace.tracer import ring_wire_bytes
 __all__ = ["estimate_comm", "estimate_train_comm"]
 
 
-def _buckets(sizes: list[int], bucket_bytes: int) -> list[int]:
-    # Same rule as mlmkit.data_parallel.bucketize, on byte sizes.
-    out, cur = [], 0
-    for n in sizes:
-        if cur and cur + n > bucket_bytes:
+def _buckets(sizes: list[int], bucket_bytes: int, alone: list[bool]) -> list[int]:
+    # Same rule as mlmkit.data_parallel.bucketize, on byte sizes (a tied embedding's copy alone).
+    out, cur, single = [], 0, False
+    for n, lone in zip(sizes, alone):
+        if cur and (cur + n > bucket_bytes or lone or single):
             out.append(cur)
             cur = 0
         cur += n
+        single = lone
     if cur:
         out.append(cur)
     return out
@@ -63,7 +64,7 @@ def _buckets(sizes: list[int], bucket_bytes: int) -> list[int]:
 AXES = ("tp", "cp", "tp-cp", "ep", "expert-tp", "pp", "dp", "expert-dp", "embedding", "world")
 
 
-def _grad_reduction(params, d: int, *, zero1: bool, R: int, E: int, bucket_bytes: int) -> int:
+def _grad_reduction(params, d: int, *, zero1: bool, R: int, E: int, bucket_bytes: int, tied: bool = False) -> int:
     # the optimizer part's reduction over its d replicas (mlmkit.data_parallel.optimizer)
     if d == 1 or not params:
         return 0
@@ -72,7 +73,8 @@ def _grad_reduction(params, d: int, *, zero1: bool, R: int, E: int, bucket_bytes
         padded = -(-n // d) * d
         return ring_wire_bytes("reduce_scatter", padded * R, d) + ring_wire_bytes("all_gather", padded * E, d)
     sizes = [q.numel * R for q in reversed(params)]
-    return sum(ring_wire_bytes("all_reduce", n, d) for n in _buckets(sizes, bucket_bytes))
+    alone = [tied and q.name in ("embedding.weight", "head_weight") for q in reversed(params)]
+    return sum(ring_wire_bytes("all_reduce", n, d) for n in _buckets(sizes, bucket_bytes, alone))
 
 
 def _moe_comm(model: GPTConfig, topology: Topology, *, s: int, b: int, m: int, E: int, G: int, sp: bool,
@@ -211,7 +213,7 @@ def estimate_comm(model: GPTConfig, topology: Topology, *, micro_batch_size: int
                                   + gathers * ring_wire_bytes("all_gather", padded * E, d))
         else:
             vol["dp"] = _grad_reduction([q for q in params if not q.expert], d, zero1=stage == 1, R=R, E=E,
-                                        bucket_bytes=bucket_bytes)
+                                        bucket_bytes=bucket_bytes, tied=model.tie_embeddings)
         if model.moe:
             layers = sum(len(st["layers"]) for st in stages)
             vol["expert-dp"] = _grad_reduction([q for q in params if q.expert], topology.expert_dp,

@@ -149,6 +149,9 @@ class GPT(nn.Module):
             self.embedding = VocabParallelEmbedding(
                 self.padded_vocab, h, tp=tp, vocab_size=config.vocab_size, sequence_parallel=sp,
                 init=self._word_init(), site="embedding.word", device=device)
+            # Tied: its data-parallel gradient reduction is a bucket of its own, as the last stage's copy's
+            # (mlmkit.data_parallel.grads), so that both copies are reduced alike, to the bit.
+            self.embedding.weight.tied_embedding = config.tie_embeddings
             if config.position == "learned":
                 pos = seeded_normal(config.seed, "embedding.position", config.init_std)((config.seq_len, h))
                 self.position = mark_parameter(nn.Parameter(pos.to(device)), split_dim=None,
@@ -171,6 +174,7 @@ class GPT(nn.Module):
                 self.head_weight = mark_parameter(nn.Parameter(local.to(device)), split_dim=0,
                                                   global_shape=(self.padded_vocab, h))
                 self.head_weight.shared_embedding = config.tie_embeddings
+                self.head_weight.tied_embedding = config.tie_embeddings
         self._mark_vocab_rows()
         if dtype is not None:
             self.to(dtype)
