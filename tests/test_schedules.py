@@ -502,6 +502,28 @@ def test_table_rows_as_tuples_are_five_long_or_three():
         schedule_from_table([(r, k, mb, peer) for r, k, mb, _, peer in rows])
 
 
+def test_a_dataframe_of_actions_reads_blanks_as_defaults_and_refuses_fractions():
+    # A DataFrame writes a blank cell as NaN and a column of whole numbers with blanks as floats. A
+    # blank chunk failed with "cannot convert float NaN to integer"; microbatch 0.5 or peer 1.5 were
+    # cut to 0 and 1 without a word. Every generator's schedule reads back from its table.
+    for name in SCHEDULES:
+        chunks = 2 if name in ("interleaved-1f1b", "zb-v", "dualpipev") else 1
+        sched = make_schedule(name, stages=2, microbatches=4, chunks=chunks)
+        rows = [dict(rank=r, kind=a.kind, microbatch=a.microbatch, chunk=a.chunk if a.chunk else None, peer=a.peer)
+                for r in range(2) for a in sched.actions[r]]
+        table = pd.DataFrame(rows)
+        assert table.chunk.isna().any() and table.peer.dtype == float
+        back = schedule_from_table(table, stages=2, microbatches=4, chunks=chunks, placement=sched.placement)
+        assert back.actions == sched.actions, name
+    table = pd.DataFrame([dict(rank=a[0], kind=a[1], microbatch=a[2], peer=a[3]) for a in GOOD])
+    for column, values, needle in (("microbatch", [0, 0, 0, 0.5, 0, 0, 0, 0], r"row 3: microbatch=0.5 is not a whole"),
+                                   ("peer", [None, 1.5, 1, None, 0, None, None, 0], r"row 1: peer=1.5 is not a whole"),
+                                   ("rank", [0, 0, 0, 0, 1, 1, None, 1], r"row 6: rank is blank"),
+                                   ("chunk", [0, 0, 0, float("inf"), 0, 0, 0, 0], r"row 3: chunk=inf is not a whole")):
+        with pytest.raises(ScheduleError, match=needle):
+            schedule_from_table(table.assign(**{column: values}))
+
+
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipev"])
 def test_simulate_fast_engine_equals_the_reference_dry_run(name):
     # simulate() runs its own compute-only engine (integer message names, columns); it must give the

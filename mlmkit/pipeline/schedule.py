@@ -538,6 +538,23 @@ def _with_communication(name: str, p: int, m: int, v: int, *, orders: Sequence[I
     return out
 
 
+_BLANK = object()
+
+
+def _table_int(row: dict, key: str, i: int, default=_BLANK):
+    """Cell ``key`` of table row ``i`` as an int; a missing or blank (None, NaN) cell is ``default``
+    (refused when there is none)."""
+    value = row.get(key)
+    if value is None or (isinstance(value, numbers.Real) and value != value):
+        if default is _BLANK:
+            raise ScheduleError(f"row {i}: {key} is blank; every row needs a whole-number {key}")
+        return default
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or abs(value) == float("inf")
+            or value != int(value)):
+        raise ScheduleError(f"row {i}: {key}={value!r} is not a whole number")
+    return int(value)
+
+
 def schedule_from_table(table, *, stages: Optional[int] = None, microbatches: Optional[int] = None,
                         chunks: Optional[int] = None, name: str = "custom",
                         add_communication: bool = False, placement: str = "loop") -> Schedule:
@@ -559,23 +576,26 @@ def schedule_from_table(table, *, stages: Optional[int] = None, microbatches: Op
         dict(zip(("rank", "kind", "microbatch", "chunk", "peer"), r)) if not isinstance(r, dict) else r
         for r in table
     ]
+    clean = []
     for i, row in enumerate(rows):
         for key in ("rank", "kind", "microbatch"):
             if key not in row:
                 raise ScheduleError(f"row {i} of the table has no {key!r} column: {row}")
         if row["kind"] not in KINDS:
             raise ScheduleError(f"row {i}: unknown action kind {row['kind']!r}; expected one of {', '.join(KINDS)}")
-    p = stages if stages is not None else 1 + max(int(r["rank"]) for r in rows)
-    m = microbatches if microbatches is not None else 1 + max(int(r["microbatch"]) for r in rows)
-    v = chunks if chunks is not None else 1 + max(int(r.get("chunk", 0) or 0) for r in rows)
+        # A DataFrame writes a blank cell as NaN and whole numbers of a column with blanks as floats:
+        # blank chunk and peer are the defaults (0, none), and 1.0 is 1; 1.5 or a blank rank is refused
+        # (int() cut 1.5 to 1, and a blank chunk failed with "cannot convert float NaN to integer").
+        clean.append((_table_int(row, "rank", i), row["kind"], _table_int(row, "microbatch", i),
+                      _table_int(row, "chunk", i, default=0), _table_int(row, "peer", i, default=None)))
+    p = stages if stages is not None else 1 + max(r for r, *_ in clean)
+    m = microbatches if microbatches is not None else 1 + max(mb for _, _, mb, _, _ in clean)
+    v = chunks if chunks is not None else 1 + max(c for *_, c, _ in clean)
     per_rank: list[list] = [[] for _ in range(p)]
-    for i, row in enumerate(rows):
-        r = int(row["rank"])
+    for i, (r, kind, mb, chunk, peer) in enumerate(clean):
         if not 0 <= r < p:
             raise ScheduleError(f"row {i}: rank {r} is out of range for stages={p}")
-        peer = row.get("peer")
-        peer = None if peer is None or peer != peer else int(peer)  # NaN -> None
-        per_rank[r].append((row["kind"], int(row["microbatch"]), int(row.get("chunk", 0) or 0), peer))
+        per_rank[r].append((kind, mb, chunk, peer))
     if placement not in PLACEMENTS:
         raise ScheduleError(f"placement={placement!r}: expected one of {', '.join(PLACEMENTS)}")
     if add_communication:
