@@ -376,6 +376,10 @@ def test_estimators_refuse_what_no_run_could_be():
         with pytest.raises(ValueError, match=rf"estimate_memory: prefetch={re.escape(repr(prefetch))} must be 0 or 1"):
             estimate_memory(model, Topology(dp=2), micro_batch_size=2, microbatches=2, precision="fp32", zero=3,
                             prefetch=prefetch)
+    for bucket in (0, 1.5, True):          # the run's rule (TrainConfig, bucketize): 0 and 1.5 were estimated
+        with pytest.raises(ValueError, match=rf"estimate_comm: bucket_bytes={re.escape(repr(bucket))} must be an integer"):
+            estimate_comm(model, Topology(dp=2), micro_batch_size=2, microbatches=2, precision="fp32",
+                          bucket_bytes=bucket)
 
 
 def test_an_abandoned_step_frees_its_activations():

@@ -34,6 +34,7 @@ parameters' dtype.
 
 from __future__ import annotations
 
+import numbers
 from typing import Optional, Sequence
 
 from mlmkit.estimate.params import (check_estimate, local_parameters, moe_kept_by_expert, shard_unit_sizes,
@@ -136,6 +137,9 @@ def estimate_comm(model: GPTConfig, topology: Topology, *, micro_batch_size: int
         raise ValueError(f"precision={precision!r}, grad_reduce={grad_reduce!r}: expected 'fp32' or 'bf16'")
     check_estimate(model, topology, micro_batch_size=micro_batch_size, microbatches=microbatches, chunks=chunks,
                    sequence_parallel=sequence_parallel, zero=zero, what="estimate_comm")
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, numbers.Integral) or bucket_bytes < 1:
+        # as the run's (TrainConfig, bucketize): 0 or 1.5 estimated buckets no run makes
+        raise ValueError(f"estimate_comm: bucket_bytes={bucket_bytes!r} must be an integer >= 1")
     full_recompute = recompute is True or recompute == "full"
     reruns_core = full_recompute or recompute == "selective"
     cp = topology.cp
