@@ -857,6 +857,9 @@ def test_a_corpus_is_read_as_its_bytes_and_every_window_is_drawn(content, tmp_pa
     n = len(content)
     with pytest.raises(ValueError, match=rf"has {n} bytes \(tokens\), too few for one window of seq_len\+1={n + 1}"):
         check_corpus(str(path), seq_len=n)
+    # a pathlib.Path names the same file (it was refused as "must be a file path (str)")
+    cfg = BASE.replace(corpus=path)
+    assert cfg.corpus == str(path) and TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
 
 
 def test_fit_past_max_steps_or_with_negative_steps_is_refused():

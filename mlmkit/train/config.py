@@ -202,6 +202,8 @@ class TrainConfig:
                                  f"(Adam's moving-average coefficient; typical: beta1=0.9, beta2=0.95)")
         if self.weight_decay < 0:
             raise ValueError(f"TrainConfig: weight_decay={self.weight_decay} must be >= 0")
+        if isinstance(self.corpus, os.PathLike):      # a pathlib.Path: the str it names (the JSON of to_dict)
+            object.__setattr__(self, "corpus", os.fspath(self.corpus))
         if self.corpus is not None and not isinstance(self.corpus, str):
             raise ValueError(f"TrainConfig: corpus={self.corpus!r} must be a file path (str) or None")
         if self.model.vocab_size < TOKENIZER_VOCAB:
