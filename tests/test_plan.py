@@ -99,7 +99,8 @@ def test_published_results_within_15_percent_for_most_rows():
 
 
 @pytest.mark.parametrize("kwargs,needle", [
-    (dict(gpu="tpu-v9"), "unknown GPU 'tpu-v9'"),
+    (dict(gpu="tpu-v9"), "unknown GPU 'tpu-v9'; choose one of"),
+    (dict(gpu="h100"), "unknown GPU 'h100' (did you mean 'h100-sxm'?)"),
     (dict(gpus=0), "gpus=0 must be a positive integer"),
     (dict(speed=3), "unknown constraint(s) ['speed']"),
     (dict(tp=3), "no layout of 64 GPUs divides this job with constraints {'tp': 3} (global_batch_size=256, heads=32, "
@@ -248,6 +249,10 @@ def test_custom_hardware_is_validated():
         Hardware(name="x", peak_tflops=0, memory_bytes=1, hbm_bandwidth=1, intra_node_bandwidth=1, gpus_per_node=8,
                  inter_node_bandwidth=1)
     assert all(h.source for h in GPUS.values())
+    # a preset's name as a spec sheet writes it (it was "unknown GPU 'H100-SXM'")
+    assert hardware(" H100-SXM") is GPUS["h100-sxm"] and hardware("A100-80GB") is GPUS["a100-80gb"]
+    with pytest.raises(ValueError, match="gpu='local-cpu' is measured on this machine"):
+        hardware("Local-CPU")
     base = dict(name="x", peak_tflops=1, memory_bytes=1, hbm_bandwidth=1, intra_node_bandwidth=1, gpus_per_node=8,
                 inter_node_bandwidth=1)
     for field, value in (("runtime", "torchtitan"), ("precision", "fp8"), ("cores", 0)):

@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     try:
         model = _model(args)
         gpu = args.gpu
-        if gpu == "local-cpu":
+        if gpu.strip().lower() == "local-cpu":
             from mlmkit.distributed import calibrate_local_cpu
 
             # what the calibration cannot change fails first, not after half a minute of measuring
