@@ -297,9 +297,11 @@ def test_cli_json_and_constraints():
             "memory_per_gpu_bytes", "step_time_s", "tokens_per_s", "model_tflops_per_gpu", "hardware_tflops_per_gpu",
             "mfu"}
     assert keys <= set(rows[0])
-    shaped = subprocess.run([sys.executable, "-m", "mlmkit.plan", "--model", "llama3-8b", "--layers", "16", "--gpus",
+    # "Llama3-8B" as a paper writes it is the preset (it was "neither a preset nor a readable JSON file")
+    shaped = subprocess.run([sys.executable, "-m", "mlmkit.plan", "--model", "Llama3-8B", "--layers", "16", "--gpus",
                              "8", "--global-batch-size", "64", "--top", "1"], capture_output=True, text=True, timeout=120)
-    assert shaped.returncode == 0 and "tokens_per_s" in shaped.stdout
+    assert shaped.returncode == 0 and "tokens_per_s" in shaped.stdout, shaped.stderr
+    assert preset(" GPT3-175B") == preset("gpt3-175b")
     bad = subprocess.run([sys.executable, "-m", "mlmkit.plan", "--model", "nope", "--gpus", "8", "--global-batch-size",
                           "8"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "neither a preset" in bad.stderr

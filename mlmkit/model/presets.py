@@ -56,6 +56,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
 
 def preset(name: str, **overrides) -> GPTConfig:
     """The config of a published model (``PRESETS``), with optional field overrides."""
-    if name not in PRESETS:
+    key = name.strip().lower() if isinstance(name, str) else name       # "GPT3-175B" as papers write it
+    if key not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(sorted(PRESETS))}")
-    return replace(PRESETS[name].config, **overrides) if overrides else PRESETS[name].config
+    return replace(PRESETS[key].config, **overrides) if overrides else PRESETS[key].config

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import replace
 
@@ -58,8 +59,8 @@ def _parse(argv):
 
 
 def _model(args) -> GPTConfig:
-    if args.model in PRESETS:
-        model = preset(args.model)
+    if args.model in PRESETS or (not os.path.exists(args.model) and args.model.strip().lower() in PRESETS):
+        model = preset(args.model)              # a file of that name wins over another spelling of a preset
     else:
         try:
             with open(args.model) as f:
