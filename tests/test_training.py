@@ -266,24 +266,26 @@ def _tied_copies_after_steps(rank, world_size, cfg_dict, steps):
         trainer.clear_traces()
         trainer.train_step()
     c = groups.coords
-    return {"key": (c.tp, c.cp, c.dp), "pp": c.pp, "comm": trainer.traces()["comm"],
+    return {"key": (c.tp, c.cp, c.dp), "pp": c.pp, "comm": trainer.traces()["comm"], "memory": trainer.traces()["memory"],
             "copies": [p.detach().clone() for model in trainer.chunks for p in model.vocab_parameters()]}
 
 
+@pytest.mark.parametrize("zero", [0, 1], ids=["zero0", "zero1"])
 @pytest.mark.parametrize("layout", [dict(pp=2, dp=2, cp=2), dict(pp=1, dp=2, cp=2, chunks=2,
                                                                   schedule="interleaved-1f1b")],
                          ids=["pp2-dp2-cp2", "pp1-v2-dp2-cp2"])
-def test_the_tied_embedding_copies_stay_equal_to_the_bit(layout):
+def test_the_tied_embedding_copies_stay_equal_to_the_bit(layout, zero):
     # The first stage's word embedding and the last stage's copy get the same summed gradient, then
-    # the data-parallel all-reduce. With four replicas the ring adds an element's four parts in an
-    # order that depends on its place in the bucket, and the two copies sat at different places:
-    # they parted by float rounding (1e-8 after one step, 3e-8 after 40). Each now has a bucket of
-    # its own (Megatron-LM's rule), reduced alike on both stages; the estimator counts its bytes so.
-    from mlmkit.estimate import estimate_train_comm
-    from mlmkit.estimate.compare import compare_comm
+    # the data-parallel reduction. With four replicas the ring adds an element's four parts in an
+    # order that depends on its place in the bucket (ZeRO-1: in the flat vector), and the two copies
+    # sat at different places: they parted by float rounding (1e-8 after one step, 3e-8 after 40).
+    # Each now has a bucket (ZeRO-1: a shard) of its own, as Megatron-LM gives it, reduced alike on
+    # both stages; the estimators count its bytes so.
+    from mlmkit.estimate import estimate_train_comm, estimate_train_memory
+    from mlmkit.estimate.compare import compare_comm, compare_memory
     from mlmkit.trace.export import merge_traces
 
-    cfg = BASE.replace(**layout)                  # one bucket holds every gradient but the copy
+    cfg = BASE.replace(zero=zero, **layout)       # one bucket holds every gradient but the copy
     out = run_ranks(_tied_copies_after_steps, world_size=cfg.world_size, args=(cfg.to_dict(), 3), timeout_s=300)
     pairs = 0
     for r in out:
@@ -295,7 +297,10 @@ def test_the_tied_embedding_copies_stay_equal_to_the_bit(layout):
             assert torch.equal(r["copies"][0], other["copies"][0]), r["key"]
             pairs += 1
     assert pairs == cfg.world_size // cfg.pp
-    table = compare_comm(merge_traces({"comm": r["comm"]} for r in out)["comm"], estimate_train_comm(cfg))
+    traces = merge_traces({"comm": r["comm"], "memory": r["memory"]} for r in out)
+    table = compare_comm(traces["comm"], estimate_train_comm(cfg))
+    assert (table.measured == table.estimated).all(), table[table.measured != table.estimated]
+    table = compare_memory(traces["memory"], estimate_train_memory(cfg))
     assert (table.measured == table.estimated).all(), table[table.measured != table.estimated]
 
 

@@ -426,16 +426,26 @@ def make_optimizer(named_params, groups: ProcessGroups, *, zero1: bool = False, 
     zero1 = stage == 1
     dense = [(n, p) for n, p in named_params if not getattr(p, "expert", False)]
     expert = [(n, p) for n, p in named_params if getattr(p, "expert", False)]
+    tied = []
+    if zero1 and groups.topology.dp * groups.topology.cp > 1:
+        # Each copy of a tied word embedding is a part of its own, sharded alike on the first and the
+        # last stage: inside the stage's flat vector its elements would be reduce-scattered at other
+        # offsets than the other copy's, summed in another order, and the copies would part by
+        # rounding (the all-reduce's buckets follow the same rule: mlmkit.data_parallel.grads).
+        tied = [(n, p) for n, p in dense if getattr(p, "tied_embedding", False)]
+        dense = [(n, p) for n, p in dense if not getattr(p, "tied_embedding", False)]
 
     def part(named, **extra):
         if zero1:
             return ShardedAdamW(named, groups, **kw, **extra)
         return ReplicatedAdamW(named, groups, bucket_bytes=bucket_bytes, **kw, **extra)
 
-    if not expert:
+    if not expert and not tied:
         return part(dense)
     dp_cp = groups.topology.dp * groups.topology.cp
-    parts = [part(dense, label="dp"),
-             part(expert, reduce=groups.expert_dp, divisor=dp_cp, label="expert",
-                  counted=lambda p: counted_once_expert(p, groups))]
+    parts = [part(dense, label="dp")] if dense else []
+    parts += [part([copy], label=f"embedding{i}") for i, copy in enumerate(tied)]
+    if expert:
+        parts.append(part(expert, reduce=groups.expert_dp, divisor=dp_cp, label="expert",
+                          counted=lambda p: counted_once_expert(p, groups)))
     return MultiOptimizer(parts, groups, max_grad_norm=kw.get("max_grad_norm", 1.0))

@@ -69,10 +69,14 @@ def _grad_reduction(params, d: int, *, zero1: bool, R: int, E: int, bucket_bytes
     # the optimizer part's reduction over its d replicas (mlmkit.data_parallel.optimizer)
     if d == 1 or not params:
         return 0
-    if zero1:
-        n = sum(q.numel for q in params)
-        padded = -(-n // d) * d
-        return ring_wire_bytes("reduce_scatter", padded * R, d) + ring_wire_bytes("all_gather", padded * E, d)
+    if zero1:     # one flat vector; each tied embedding copy a flat vector of its own
+        copies = [q.numel for q in params if tied and q.name in ("embedding.weight", "head_weight")]
+        total = 0
+        for n in [sum(q.numel for q in params) - sum(copies)] + copies:
+            if n:
+                padded = -(-n // d) * d
+                total += ring_wire_bytes("reduce_scatter", padded * R, d) + ring_wire_bytes("all_gather", padded * E, d)
+        return total
     sizes = [q.numel * R for q in reversed(params)]
     alone = [tied and q.name in ("embedding.weight", "head_weight") for q in reversed(params)]
     return sum(ring_wire_bytes("all_reduce", n, d) for n in _buckets(sizes, bucket_bytes, alone))
