@@ -65,12 +65,12 @@ def _buckets(sizes: list[int], bucket_bytes: int, alone: list[bool]) -> list[int
 AXES = ("tp", "cp", "tp-cp", "ep", "expert-tp", "pp", "dp", "expert-dp", "embedding", "world")
 
 
-def _grad_reduction(params, d: int, *, zero1: bool, R: int, E: int, bucket_bytes: int, tied: bool = False) -> int:
+def _grad_reduction(params, d: int, *, zero1: bool, R: int, E: int, bucket_bytes: int) -> int:
     # the optimizer part's reduction over its d replicas (mlmkit.data_parallel.optimizer)
     if d == 1 or not params:
         return 0
     if zero1:     # one flat vector; each tied embedding copy a flat vector of its own
-        copies = [q.numel for q in params if tied and q.name in ("embedding.weight", "head_weight")]
+        copies = [q.numel for q in params if q.tied_embedding]
         total = 0
         for n in [sum(q.numel for q in params) - sum(copies)] + copies:
             if n:
@@ -78,7 +78,7 @@ def _grad_reduction(params, d: int, *, zero1: bool, R: int, E: int, bucket_bytes
                 total += ring_wire_bytes("reduce_scatter", padded * R, d) + ring_wire_bytes("all_gather", padded * E, d)
         return total
     sizes = [q.numel * R for q in reversed(params)]
-    alone = [tied and q.name in ("embedding.weight", "head_weight") for q in reversed(params)]
+    alone = [q.tied_embedding for q in reversed(params)]
     return sum(ring_wire_bytes("all_reduce", n, d) for n in _buckets(sizes, bucket_bytes, alone))
 
 
@@ -221,7 +221,7 @@ def estimate_comm(model: GPTConfig, topology: Topology, *, micro_batch_size: int
                                   + gathers * ring_wire_bytes("all_gather", padded * E, d))
         else:
             vol["dp"] = _grad_reduction([q for q in params if not q.expert], d, zero1=stage == 1, R=R, E=E,
-                                        bucket_bytes=bucket_bytes, tied=model.tie_embeddings)
+                                        bucket_bytes=bucket_bytes)
         if model.moe:
             layers = sum(len(st["layers"]) for st in stages)
             vol["expert-dp"] = _grad_reduction([q for q in params if q.expert], topology.expert_dp,

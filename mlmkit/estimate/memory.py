@@ -408,12 +408,6 @@ def _pad_mask(model: GPTConfig, *, t: int, tp_rank: int) -> int:
     return local if (tp_rank + 1) * local > model.vocab_size else 0
 
 
-def _tied_copy(model: GPTConfig, param) -> bool:
-    """A copy of the tied word embedding (first stage's or last stage's), which the data-parallel
-    reduction keeps apart (its own bucket, its own ZeRO-1 shard)."""
-    return model.tie_embeddings and param.name in ("embedding.weight", "head_weight")
-
-
 def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: int, microbatches: int,
                     schedule: str = "1f1b", chunks: int = 1, sequence_parallel: bool = False,
                     recompute: Union[bool, str] = False, zero1: bool = False, precision: Optional[str] = None,
@@ -490,7 +484,7 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
         elif stage == 1:   # dense parameters sharded over the dp x cp replicas, experts over their expert-dp replicas
             d = topology.dp * cp
             # a tied word embedding's copies: each a shard of its own (mlmkit.data_parallel.optimizer)
-            tied = [p.numel for p in params if d > 1 and _tied_copy(model, p)]
+            tied = [p.numel for p in params if d > 1 and p.tied_embedding]
             dense = sum(p.numel for p in params if not p.expert) - sum(tied)
             shard = (-(-dense // d) + sum(-(-x // d) for x in tied)
                      + (-(-(n - dense - sum(tied)) // topology.expert_dp) if n > dense + sum(tied) else 0))

@@ -27,6 +27,7 @@ class LocalParam:
     shared_embedding: bool = False
     replicas: int = 1          # TP ranks holding this same shard (key/value heads when tp > kv_heads)
     expert: bool = False       # an expert's parameter: split over expert-tp, reduced over expert-dp
+    tied_embedding: bool = False   # a copy of the tied word embedding: its own dp bucket and ZeRO-1 shard
 
 
 def stage_layout(model: GPTConfig, topology: Topology, *, pp_rank: int, chunks: int = 1,
@@ -82,9 +83,10 @@ def local_parameters(model: GPTConfig, topology: Topology, *, pp_rank: int, chun
             out.append(LocalParam("position", model.seq_len * h, None, sp))
         if post_p and not (model.tie_embeddings and pre_p):
             # shared_embedding: a copy of the tied word embedding, not counted twice in the gradient norm
-            out.append(LocalParam("head_weight", vocab // t * h, 0, False, model.tie_embeddings))
+            out.append(LocalParam("head_weight", vocab // t * h, 0, False, model.tie_embeddings,
+                                  tied_embedding=model.tie_embeddings))
         if pre_p:
-            out.append(LocalParam("embedding.weight", vocab // t * h, 0))
+            out.append(LocalParam("embedding.weight", vocab // t * h, 0, tied_embedding=model.tie_embeddings))
         for i in st["layers"]:
             pre = f"layers.{i}"
             out += norm(f"{pre}.ln1")
