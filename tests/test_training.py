@@ -266,11 +266,14 @@ def _tied_copies_after_steps(rank, world_size, cfg_dict, steps):
         trainer.clear_traces()
         trainer.train_step()
     c = groups.coords
-    return {"key": (c.tp, c.cp, c.dp), "pp": c.pp, "comm": trainer.traces()["comm"], "memory": trainer.traces()["memory"],
-            "copies": [p.detach().clone() for model in trainer.chunks for p in model.vocab_parameters()]}
+    traces = trainer.traces()
+    with trainer.full_parameters():                  # ZeRO-3: gathered from the shards
+        copies = [p.detach().clone() for model in trainer.chunks for p in model.vocab_parameters()]
+    return {"key": (c.tp, c.cp, c.dp), "pp": c.pp, "comm": traces["comm"], "memory": traces["memory"],
+            "copies": copies}
 
 
-@pytest.mark.parametrize("zero", [0, 1], ids=["zero0", "zero1"])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3], ids=["zero0", "zero1", "zero2", "zero3"])
 @pytest.mark.parametrize("layout", [dict(pp=2, dp=2, cp=2), dict(pp=1, dp=2, cp=2, chunks=2,
                                                                   schedule="interleaved-1f1b")],
                          ids=["pp2-dp2-cp2", "pp1-v2-dp2-cp2"])
@@ -279,8 +282,8 @@ def test_the_tied_embedding_copies_stay_equal_to_the_bit(layout, zero):
     # the data-parallel reduction. With four replicas the ring adds an element's four parts in an
     # order that depends on its place in the bucket (ZeRO-1: in the flat vector), and the two copies
     # sat at different places: they parted by float rounding (1e-8 after one step, 3e-8 after 40).
-    # Each now has a bucket (ZeRO-1: a shard) of its own, as Megatron-LM gives it, reduced alike on
-    # both stages; the estimators count its bytes so.
+    # Each now has a bucket (ZeRO-1: a shard; ZeRO-2/3: a unit) of its own, as Megatron-LM gives it,
+    # reduced alike on both stages; the estimators count its bytes so.
     from mlmkit.estimate import estimate_train_comm, estimate_train_memory
     from mlmkit.estimate.compare import compare_comm, compare_memory
     from mlmkit.trace.export import merge_traces

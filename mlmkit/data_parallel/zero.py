@@ -2,7 +2,8 @@
 with stage 3 the parameters too, sharded over the data-parallel replicas, unit by unit.
 
 A **unit** is one Transformer layer, or the rest of a model chunk (embedding, final norm, head: the
-*root*), as in FSDP2's ``fully_shard`` per layer. Each unit's parameters are viewed as one flat vector
+*root*), as in FSDP2's ``fully_shard`` per layer; a chunk's copy of a tied word embedding is a root
+unit of its own (:func:`shard_units`). Each unit's parameters are viewed as one flat vector
 ``[N_u]``, zero-padded to ``d * ceil(N_u / d)`` and cut in ``d`` contiguous shards (``d`` = the
 replicas: the dp-cp group). Rank ``r`` owns shard ``r``: its fp32 master copy and Adam moments.
 
@@ -66,13 +67,22 @@ __all__ = ["FullyShardedAdamW", "ShardedUnit", "Zero3Hooks", "shard_units"]
 
 def shard_units(chunks: Sequence[nn.Module]) -> list[tuple[str, int, list[tuple[str, nn.Parameter]], Optional[nn.Module]]]:
     """The units of ``chunks`` (model chunks, :class:`mlmkit.model.GPT`): ``(name, chunk, named
-    parameters, layer module or None for the root)``, root first then each layer."""
+    parameters, layer module or None for the root)``: per chunk its root, then its copy of a tied
+    word embedding as a unit of its own (``chunk<c>.tied_embedding``), then each layer.
+
+    The tied copy is alone so that the first and the last stage shard it alike: its reduce-scatter
+    then adds every element's parts in the same order on both, and the copies stay equal to the bit
+    (as its own bucket does without ZeRO; :func:`mlmkit.pipeline.executor.sync_embedding_grads`)."""
     units = []
     for c, chunk in enumerate(chunks):
         layer_params = {id(p) for layer in chunk.layers.values() for p in layer.parameters()}
-        root = [(n, p) for n, p in chunk.named_parameters() if id(p) not in layer_params and p.requires_grad]
+        rest = [(n, p) for n, p in chunk.named_parameters() if id(p) not in layer_params and p.requires_grad]
+        root = [(n, p) for n, p in rest if not getattr(p, "tied_embedding", False)]
+        tied = [(n, p) for n, p in rest if getattr(p, "tied_embedding", False)]
         if root:
             units.append((f"chunk{c}.root", c, root, None))
+        if tied:
+            units.append((f"chunk{c}.tied_embedding", c, tied, None))
         for key, layer in chunk.layers.items():
             named = [(f"layers.{key}.{n}", p) for n, p in layer.named_parameters() if p.requires_grad]
             if named:
@@ -369,7 +379,9 @@ class Zero3Hooks:
         self.microbatches, self.tp, self.reduce_in_backward = microbatches, tp, reduce_in_backward
         self.prefetch, self.reshard = prefetch, reshard_after_forward
         by_name = {u.name: u for u in optimizer.units}
-        self.root = {c: by_name.get(f"chunk{c}.root") for c in range(len(self.chunks))}
+        # a chunk's root units: the root and its tied embedding copy (either may be absent)
+        self.root = {c: [by_name[n] for n in (f"chunk{c}.root", f"chunk{c}.tied_embedding") if n in by_name]
+                     for c in range(len(self.chunks))}
         self.layers = {c: [by_name[f"chunk{c}.layers.{k}"] for k in chunk.layers.keys() if f"chunk{c}.layers.{k}" in by_name]
                        for c, chunk in enumerate(self.chunks)}
         self.memory = None
@@ -392,16 +404,17 @@ class Zero3Hooks:
     # ------------------------------------------------------------------ chunk (root unit)
     def _chunk_pre(self, c):
         def hook(module, args):
-            self._gather(self.root[c], "forward")
+            for unit in self.root[c]:
+                self._gather(unit, "forward")
         return hook
 
     def _chunk_post(self, c):
         def hook(module, args, out):
-            root = self.root[c]
-            if root is None:
+            if not self.root[c]:
                 return
-            if self.reshard and not root.in_backward:
-                root.free()
+            for unit in self.root[c]:
+                if self.reshard and not unit.in_backward:
+                    unit.free()
             if torch.is_tensor(out) and out.requires_grad and torch.is_grad_enabled():
                 out.register_hook(self._backward_gather(c, None))
         return hook
@@ -437,7 +450,8 @@ class Zero3Hooks:
         # The output gradient of layer i (None: of the chunk) is ready: gather what runs backward next.
         def hook(grad):
             if i is None:
-                self._enter_backward(self.root[c])
+                for unit in self.root[c]:
+                    self._enter_backward(unit)
             else:
                 self._enter_backward(self.layers[c][i])
                 if self.prefetch and i > 0:
@@ -479,11 +493,10 @@ class Zero3Hooks:
         input needed no gradient) and reduce a first layer whose input was a leaf."""
         for unit in self.layers[chunk]:
             self._maybe_reduce(unit)
-        for unit in [self.root[chunk], *self.layers[chunk]]:
-            if unit is not None:
-                unit.in_backward = False
-                if self.reshard:
-                    unit.free()
+        for unit in [*self.root[chunk], *self.layers[chunk]]:
+            unit.in_backward = False
+            if self.reshard:
+                unit.free()
 
     def reset(self) -> None:
         """After an abandoned step: every unit freed, no backward in progress."""

@@ -559,8 +559,9 @@ def _sharded_grad_peak(units: list[dict], actions, *, chunks: int, d: int, m: in
     for u in units:
         ch = per[u["chunk"]]
         ch["pre"] = u["pre_process"]
-        if u["kind"] == "root":
-            ch["root"], ch["post"] = u["numel"], u["post_numel"]
+        if u["kind"] == "root":             # the root and a tied embedding copy: reduced at the step
+            ch["root"] += u["numel"]
+            ch["post"] += u["post_numel"]
         else:
             ch["layers"].append(u["numel"])
     shard = {c: [-(-n // d) * 4 for n in ch["layers"]] for c, ch in per.items()}     # fp32 shard gradients

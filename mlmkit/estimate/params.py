@@ -188,21 +188,23 @@ def shard_unit_sizes(model: GPTConfig, topology: Topology, *, pp_rank: int, chun
                      sequence_parallel: bool = False, layers_per_stage: Optional[Sequence[int]] = None,
                      placement: str = "loop") -> list[dict]:
     """The ZeRO-2/3 units of a rank (:func:`mlmkit.data_parallel.zero.shard_units`): per chunk its
-    root (embedding, final norm, head; absent when the chunk has none) and each layer, with their
-    elements: ``{"chunk", "kind": "root" | "layer", "numel", "pre_process"}`` (a root also has
+    root (embedding, final norm, head; absent when the chunk has none), its copy of a tied word
+    embedding (a root unit of its own) and each layer, with their elements:
+    ``{"chunk", "kind": "root" | "layer", "numel", "pre_process"}`` (a root also has
     ``post_numel``: its elements used after the layers: final norm, head)."""
     out = []
     for st in stage_layout(model, topology, pp_rank=pp_rank, chunks=chunks, layers_per_stage=layers_per_stage,
                            placement=placement):
         mine = local_parameters(model, topology, pp_rank=pp_rank, chunks=chunks, sequence_parallel=sequence_parallel,
                                 layers_per_stage=layers_per_stage, only_chunk=st["chunk"], placement=placement)
-        root = [q for q in mine if not q.name.startswith("layers.")]
-        # used only after the layers: their gradients exist once the backward reaches the layers (a
-        # tied embedding used at both ends gets its gradient once, at the end, summed)
-        post = [q for q in root if q.name.startswith("final_ln.") or q.name == "head_weight"]
-        if root:
-            out.append({"chunk": st["chunk"], "kind": "root", "numel": sum(q.numel for q in root),
-                        "post_numel": sum(q.numel for q in post), "pre_process": st["pre_process"]})
+        rest = [q for q in mine if not q.name.startswith("layers.")]
+        for root in ([q for q in rest if not q.tied_embedding], [q for q in rest if q.tied_embedding]):
+            # used only after the layers: their gradients exist once the backward reaches the layers
+            # (a tied embedding used at both ends gets its gradient once, at the end, summed)
+            post = [q for q in root if q.name.startswith("final_ln.") or q.name == "head_weight"]
+            if root:
+                out.append({"chunk": st["chunk"], "kind": "root", "numel": sum(q.numel for q in root),
+                            "post_numel": sum(q.numel for q in post), "pre_process": st["pre_process"]})
         for i in st["layers"]:
             out.append({"chunk": st["chunk"], "kind": "layer", "pre_process": st["pre_process"],
                         "numel": sum(q.numel for q in mine if q.name.startswith(f"layers.{i}."))})

@@ -140,11 +140,10 @@ def sync_embedding_grads(chunks: Sequence[GPT], embedding: Optional[CommGroup]) 
     of zb-v and dualpipev), the two copies are summed locally, without a message.
 
     The data-parallel reduction that follows gives each copy a bucket of its own (ZeRO-1: a shard of
-    its own), laid out alike on both stages (as Megatron-LM does), so the copies stay equal to the
-    bit. Under ZeRO-2/3 each copy is reduce-scattered inside its stage's root unit, where its
-    elements sit at other places than the other copy's: with more than two dp x cp replicas the
-    sums are added in another order and the copies can part by float rounding (measured 4e-9 after
-    5 steps, fp32, dp=2 x cp=2; far inside the parity tolerance; nothing with one or two replicas).
+    its own; ZeRO-2/3: a unit of its own), laid out alike on both stages (as Megatron-LM does), so
+    the copies stay equal to the bit: inside a larger bucket its elements would sit at other places
+    than the other copy's, and with more than two dp x cp replicas the ring would add their parts
+    in another order (the copies parted by float rounding, 1e-8 after one step).
     """
     if not chunks or not chunks[0].config.tie_embeddings:
         return
