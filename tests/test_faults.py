@@ -175,6 +175,59 @@ def test_batched_v_schedule_failing_at_every_step(harness):
     harness.check_next_step()                # the module's own session still steps on the same engines
 
 
+def _release_slowly(state, sid, seconds):
+    """The next abort of this rank waits ``seconds`` before it abandons its step and drops its groups
+    (a peer slow to be released: the ranks blocked on it wait that long too)."""
+    import time
+
+    trainer = state.trainers[sid]
+    orig = trainer.abandon_step
+
+    def slow(*a, **k):
+        trainer.abandon_step = orig
+        time.sleep(seconds)
+        return orig(*a, **k)
+
+    trainer.abandon_step = slow
+
+
+def _raise_then_stall_everyone(state, sid, point, pids, stall_s):
+    """Raise at ``point`` as :func:`_inject` does, and 0.3 s later stop every process of ``pids``
+    (the driver first, then the peers) for ``stall_s``, as a stall of the whole virtual machine does;
+    the driver is woken 0.1 s before the peers."""
+    import subprocess
+
+    driver, peers = pids[0], " ".join(str(p) for p in pids[1:])
+    subprocess.Popen(["sh", "-c", f"sleep 0.3; kill -STOP {driver} {peers}; sleep {stall_s}; kill -CONT {driver}; "
+                                  f"sleep 0.1; kill -CONT {peers}"], start_new_session=True)
+    _inject(state, sid, point, "raise")
+
+
+def test_a_stall_of_the_whole_machine_replaces_no_healthy_engine(harness):
+    # A virtual machine whose host runs others can stop for seconds: every process stops, the wall
+    # clock goes on. The driver gave the peers of a failing rank grace_s (2 s) of wall clock to be
+    # released, so a stall right after a failure used it up while they could not run, and healthy
+    # engines were killed and replaced (seen once in a full run of the suite: the sweep above lost
+    # an engine). The grace now counts the time the driver runs. Here rank 1 raises, its tp peer
+    # (rank 0) takes 1 s to let go, and 0.3 s after the failure everything stops for 3 s.
+    cluster, session = harness.cluster, harness.session
+    pids, generation = harness.engine_pids(), cluster.generation
+    stall_s = 3.0
+    for point in (2, 5):
+        cluster.run(_release_slowly, session.id, 1.0, ranks=[0])
+        cluster.run(_raise_then_stall_everyone, session.id, point, [os.getpid(), pids[0], pids[2], pids[3]], stall_s,
+                    ranks=[1])
+        t0 = time.monotonic()
+        with pytest.raises(RankError) as info:
+            session.step()
+        elapsed = time.monotonic() - t0
+        assert type(info.value) is RankError and info.value.rank == 1, info.value
+        assert "get new engines" not in str(info.value), info.value
+        assert stall_s < elapsed < stall_s + REPORT_S, elapsed       # the stall happened, then the report
+        assert harness.engine_pids() == pids and cluster.generation == generation     # no engine replaced
+        harness.check_next_step()
+
+
 # Context parallel with experts: the cp, dp-cp, tp-cp and expert groups must be released by a failing
 # rank (or its peers stay blocked and get replaced) and rebuilt by the recovery (or the next step uses
 # a destroyed group).

@@ -108,6 +108,25 @@ def max_local_engines() -> int:
     return max(1, min(MAX_LOCAL_ENGINES, int(psutil.virtual_memory().available // ENGINE_BYTES)))
 
 
+class _RunningClock:
+    """Seconds of waiting that this process was running for, from its creation.
+
+    A virtual machine can stall for seconds (its host runs other machines): every process stops,
+    the wall clock does not. Waited by the wall clock, a grace given to peers to release each other
+    would run out during the stall, and healthy engines that had no chance to run would be killed.
+    Each :meth:`elapsed` adds the time since the last look, at most ``cap_s``: a driver that looks
+    every few milliseconds counts the wall clock, a stall counts ``cap_s``."""
+
+    def __init__(self, cap_s: float = 0.25):
+        self.cap_s, self.last, self.total = cap_s, time.monotonic(), 0.0
+
+    def elapsed(self) -> float:
+        now = time.monotonic()
+        self.total += min(max(0.0, now - self.last), self.cap_s)
+        self.last = now
+        return self.total
+
+
 def _check_seconds(name: str, value: object, *, allow_zero: bool = False, upper: float = 24 * 3600) -> float:
     ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and value == value
     if not ok or value < 0 or (value == 0 and not allow_zero) or value > upper:
@@ -164,7 +183,8 @@ class Cluster:
         profile: ``"local"`` (default), ``"slurm"`` or ``"mpi"``: a profile folder in ``cluster/``.
         timeout_s: bound on every call (default 60 s).
         collective_timeout_s: torch.distributed timeout of each rank's groups.
-        grace_s: after a rank failed (or Ctrl-C), how long the others get to finish before being killed.
+        grace_s: after a rank failed (or Ctrl-C), how long the others get to finish before being killed
+            (time this driver runs: a stall of the whole virtual machine does not use it up).
         threads: torch threads per CPU engine (default: cores of the host / engines on it).
         backend: "gloo" or "nccl" (default: nccl with CUDA, else gloo).
         engine_start_timeout_s: bound on starting the engines (their registration, torch's import and
@@ -659,7 +679,7 @@ class Cluster:
 
         deadline = time.monotonic() + timeout_s
         results, failures, dead = {}, {}, set()
-        first_failure_at = None
+        grace: Optional[_RunningClock] = None      # from the first failure: the peers' time to be released
 
         def poll() -> None:
             for r, ar in pending.items():
@@ -685,9 +705,9 @@ class Cluster:
             while unfinished():
                 now = time.monotonic()
                 poll()
-                if (failures or dead) and first_failure_at is None:
-                    first_failure_at = now
-                if first_failure_at is not None and now - first_failure_at > self.grace_s:
+                if (failures or dead) and grace is None:
+                    grace = _RunningClock()
+                if grace is not None and grace.elapsed() > self.grace_s:
                     break
                 if now > deadline:
                     break
@@ -730,8 +750,8 @@ class Cluster:
                     os.kill(self.info[r]["pid"], signal.SIGINT)
                 except OSError:
                     pass
-        end = time.monotonic() + self.grace_s
-        while unfinished() and time.monotonic() < end:
+        clock = _RunningClock()
+        while unfinished() and clock.elapsed() < self.grace_s:
             poll()
             time.sleep(0.01)
         still = unfinished()
@@ -743,8 +763,8 @@ class Cluster:
         stacks = self._dump_stacks(stuck)
         culprits = [r for r in stuck if not _blocked_in_communication(stacks.get(r, ""))] or stuck[:1]
         self._kill(culprits)
-        end = time.monotonic() + max(1.0, self.grace_s)   # their peers error out once they are gone
-        while unfinished() and time.monotonic() < end:
+        clock = _RunningClock()                           # their peers error out once they are gone
+        while unfinished() and clock.elapsed() < max(1.0, self.grace_s):
             poll()
             time.sleep(0.01)
         rest = unfinished()
