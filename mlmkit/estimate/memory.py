@@ -485,9 +485,9 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
             d = topology.dp * cp
             # a tied word embedding's copies: each a shard of its own (mlmkit.data_parallel.optimizer)
             tied = [p.numel for p in params if d > 1 and p.tied_embedding]
-            dense = sum(p.numel for p in params if not p.expert) - sum(tied)
-            shard = (-(-dense // d) + sum(-(-x // d) for x in tied)
-                     + (-(-(n - dense - sum(tied)) // topology.expert_dp) if n > dense + sum(tied) else 0))
+            experts = sum(p.numel for p in params if p.expert)
+            dense = n - experts - sum(tied)
+            shard = -(-dense // d) + sum(-(-x // d) for x in tied) + -(-experts // topology.expert_dp)
             optimizer = shard * (2 * pr.state + (pr.master or pr.param))
         else:
             optimizer = n * (2 * pr.state + pr.master)

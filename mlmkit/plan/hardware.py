@@ -225,14 +225,14 @@ def hardware(name_or_hw, **overrides) -> Hardware:
     elif not isinstance(name_or_hw, str):
         raise ValueError(f"gpu={name_or_hw!r}: give a preset's name ({', '.join(sorted(GPUS))}) or a "
                          f"mlmkit.plan.Hardware(...)")
-    elif name_or_hw.strip().lower() in GPUS:           # "H100-SXM" as written on a spec sheet
-        hw = GPUS[name_or_hw.strip().lower()]
-    elif name_or_hw.strip().lower() == "local-cpu":
+    elif (key := name_or_hw.strip().lower()) in GPUS:   # "H100-SXM" as written on a spec sheet
+        hw = GPUS[key]
+    elif key == "local-cpu":
         raise ValueError("gpu='local-cpu' is measured on this machine, not a preset: "
                          "hw = mlmkit.distributed.calibrate_local_cpu(ranks=4), then plan(..., gpu=hw) "
                          "(the CLI's --gpu local-cpu calibrates by itself)")
     else:
-        close = [g for g in sorted(GPUS) if g.startswith(name_or_hw.strip().lower()[:4])]
+        close = [g for g in sorted(GPUS) if g.startswith(key[:4])]
         raise ValueError(f"unknown GPU {name_or_hw!r}"
                          + (f" (did you mean {' or '.join(repr(g) for g in close)}?)" if close else "")
                          + f"; choose one of {', '.join(sorted(GPUS))} or pass a mlmkit.plan.Hardware(...)")
