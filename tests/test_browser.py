@@ -136,7 +136,17 @@ def _drive_lab(sync_playwright, url, token, workdir):
                 nb.activeCellIndex = i; window.jupyterapp.commands.execute('notebook:run-all-above'); return i; }"""
             started, shutdown_cell = False, -1
             for _ in range(3):
-                page.locator(".jp-Notebook .jp-Cell").first.click()
+                # JupyterLab sometimes asks for the kernel while it starts ("Select Kernel", Python 3
+                # preselected): a modal dialog over every cell. Accept it, as a user would.
+                dialog = page.locator(".jp-Dialog .jp-mod-accept")
+                if dialog.count():
+                    dialog.first.click()
+                    page.wait_for_selector(".jp-Dialog", state="detached", timeout=10_000)
+                try:
+                    page.locator(".jp-Notebook .jp-Cell").first.click(timeout=10_000)
+                except Exception:  # noqa: BLE001 - a dialog that came up meanwhile: accept it, try again
+                    page.screenshot(path=str(ARTIFACTS / "quickstart_lab_not_started.png"))
+                    continue
                 # Do not await the command: its promise settles only when every cell has run.
                 shutdown_cell = page.evaluate(run_above)
                 try:  # a prompt turns into [*] or [n] once cells run
