@@ -5,6 +5,9 @@ ipyparallel ``Cluster.start_and_connect_sync()`` with the same engines (alternat
 Shutdown: ``Cluster.shutdown()`` (process groups dropped, engines then controller stopped, every
 process gone) against ipyparallel's ``stop_cluster_sync()`` on its own engines, timed until every
 process of that cluster (controller, engines, their nannies) has exited.
+Forked start: ``Cluster.start()`` of 8 engines forked from one process that imported torch once
+(``fork_engines=True``, the default on a Linux CPU machine) against the same start with every
+engine its own Python process (``fork_engines=False``), alternated.
 Round trip: ``Cluster.run`` of a function that does nothing on all 4 ranks (what every stepped
 action pays on top of its compute), against ipyparallel's own ``apply_sync`` on the same engines;
 target: mlmkit's round trip at most 50 ms.
@@ -78,8 +81,18 @@ def run(quick: bool = False) -> list[Row]:
         cluster.shutdown()
         _until_gone(pids)
         stops_ours.append(time.perf_counter() - t0)
+    forked, own = [], []
+    for _ in range(1 if quick else 2):
+        for fork, times in ((True, forked), (False, own)):
+            cluster = Cluster(topology=Topology(dp=8), fork_engines=fork)
+            t0 = time.perf_counter()
+            cluster.start()
+            times.append(time.perf_counter() - t0)
+            cluster.shutdown()
     o, b, ratio = paired(ours, plain)
     return [
+        Row("cluster start (8 engines, gloo groups), forked engines", "fork_engines=True vs fork_engines=False",
+            median(forked), median(own), "s", "n/a (reported)", None),
         Row("cluster start (4 engines, gloo groups)", "Cluster.start vs ipyparallel start_and_connect",
             median(starts_ours), median(starts_plain), "s", "n/a (reported)", None),
         Row("cluster shutdown (4 engines), until every process exited",

@@ -2,10 +2,12 @@
 
 import dataclasses
 import gc
+import glob
 import json
 import os
 import re
 import stat
+import tempfile
 import time
 
 import pytest
@@ -301,10 +303,25 @@ def _listening(pids):
     return out
 
 
-def test_two_engine_cluster_is_private_and_leaves_nothing_behind():
-    with Cluster(n=2) as c:
+@pytest.mark.parametrize("fork", [True, False], ids=["forked", "own-process"])
+def test_two_engine_cluster_is_private_and_leaves_nothing_behind(fork):
+    import psutil
+
+    with Cluster(n=2, fork_engines=fork) as c:
         pids = c.pids()
         assert len(pids) >= 4          # 2 engines, their nannies, the controller (and its schedulers)
+        # Forked: both engines are children of one zygote, which imported torch once; otherwise each
+        # engine is its own `python -m ipyparallel.engine`, started by the driver.
+        parents = {psutil.Process(inf["pid"]).ppid() for inf in c.info}
+        if fork:
+            (zygote,) = parents
+            assert "mlmkit.cluster.zygote" in psutil.Process(zygote).cmdline() and zygote in pids
+        else:
+            assert parents == {os.getpid()}
+            assert all("ipyparallel.engine" in psutil.Process(inf["pid"]).cmdline() for inf in c.info)
+        # torch works after the fork: its thread pool is built in the engine, with the rank's threads.
+        got = c.run(lambda r: (torch.get_num_threads(), float(torch.ones(256, 256).matmul(torch.ones(256, 256)).sum())))
+        assert got == {r: (c.setup[r]["threads"], 256.0 ** 3) for r in range(2)}, got
         folder = c.private_dir
         assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
         sec = os.path.join(folder, "security")
@@ -325,6 +342,25 @@ def test_two_engine_cluster_is_private_and_leaves_nothing_behind():
     assert not os.path.exists(folder)
 
 
+def test_a_zygote_that_cannot_import_fails_the_start_with_its_error(tmp_path, monkeypatch):
+    # The engines' zygote finds a torch that cannot be imported (the driver's is imported already):
+    # the start fails at once with the zygote's own traceback, and leaves nothing running.
+    import psutil
+
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('a torch broken for this test')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "mlmkit-ipp-*")))
+    children = set(psutil.Process().children(recursive=True))
+    with pytest.raises(RuntimeError, match=r"(?s)the engines' zygote exited with code 1 before forking 2 engines.*"
+                                           r"ImportError: a torch broken for this test"):
+        Cluster(n=2, fork_engines=True).start()      # not "did not fork ... in 120 s": it did not wait
+    left = [p for p in set(psutil.Process().children(recursive=True)) - children if p.is_running()
+            and p.status() != psutil.STATUS_ZOMBIE]
+    assert left == []
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "mlmkit-ipp-*"))) <= before
+
+
 @pytest.mark.parametrize("kwargs,needle", [
     (dict(n=10_000), r"n=10000 engines is more than this machine can run: each CPU engine takes about 0.4 GiB"),
     (dict(n=2, grace_s=-1), r"grace_s=-1 must be a number of seconds"),
@@ -336,6 +372,9 @@ def test_two_engine_cluster_is_private_and_leaves_nothing_behind():
     (dict(n=2, threads=0), r"threads=0 must be an integer >= 1"),
     (dict(n=2, profile="kubernetes"), r"no profile folder cluster/profile_kubernetes"),
     (dict(n=0), r"n=0 must be an integer >= 1"),
+    (dict(n=2, fork_engines="yes"), r"fork_engines='yes' must be True, False or None"),
+    (dict(n=2, fork_engines=True, profile="slurm"), r"fork_engines=True forks the engines on this host and needs Linux "
+                                                   r"and profile='local' \(here 'linux', profile='slurm'\)"),
     (dict(topology=Topology(tp=2), n=3), r"n=3 engines but Topology"),
     (dict(), r"give topology"),
 ])

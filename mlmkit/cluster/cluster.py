@@ -43,6 +43,7 @@ import shutil
 import signal
 import socket
 import stat
+import sys
 import tempfile
 import time
 import weakref
@@ -192,6 +193,10 @@ class Cluster:
         scheduler_args: options for the engines' launcher: ``sbatch`` options with
             ``profile="slurm"`` (e.g. ``["--partition=gpu", "--gpus-per-task=1", "--time=1:00:00"]``),
             ``mpiexec`` options with ``profile="mpi"`` (e.g. ``["--hostfile", "hosts.txt"]``).
+        fork_engines: start the engines by forking them from one process that imported torch once
+            (:mod:`mlmkit.cluster.zygote`) instead of starting each as a new Python that imports it
+            again: 8 engines start in about a third of the time on 2 cores. Default: on Linux for
+            a local CPU cluster (with CUDA each engine starts as its own process). Only for ``"local"``.
         controller_ip: where the controller listens. Default: 127.0.0.1 for ``"local"``; for
             ``"slurm"`` and ``"mpi"`` this host's routable address (engines on other nodes connect
             to it; never every interface). Give ``"127.0.0.1"`` when the engines run on this host.
@@ -203,7 +208,8 @@ class Cluster:
     def __init__(self, *, topology: Optional[Topology] = None, n: Optional[int] = None, profile: str = "local",
                  timeout_s: float = 60.0, collective_timeout_s: float = 30.0, grace_s: float = 2.0,
                  threads: Optional[int] = None, backend: Optional[str] = None, engine_start_timeout_s: float = 120.0,
-                 scheduler_args: Sequence[str] = (), controller_ip: Optional[str] = None):
+                 scheduler_args: Sequence[str] = (), controller_ip: Optional[str] = None,
+                 fork_engines: Optional[bool] = None):
         if n is not None and (isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1):
             raise ValueError(f"Cluster: n={n!r} must be an integer >= 1 (the number of engines)")
         if topology is None:
@@ -231,8 +237,17 @@ class Cluster:
         if scheduler_args and profile == "local":
             raise ValueError("Cluster: scheduler_args are options for sbatch (profile='slurm') or mpiexec "
                              "(profile='mpi'); a local cluster has no scheduler")
+        if fork_engines not in (None, True, False):
+            raise ValueError(f"Cluster: fork_engines={fork_engines!r} must be True, False or None (forked on Linux "
+                             f"for a local CPU cluster)")
+        if fork_engines and (profile != "local" or not sys.platform.startswith("linux")):
+            raise ValueError(f"Cluster: fork_engines=True forks the engines on this host and needs Linux and "
+                             f"profile='local' (here {sys.platform!r}, profile={profile!r}); leave it None")
+        cuda = False
         if profile == "local":
-            self._check_local_capacity(topology.world_size, backend)
+            cuda = self._check_local_capacity(topology.world_size, backend)
+        self.fork_engines = (profile == "local" and sys.platform.startswith("linux") and not cuda
+                             if fork_engines is None else fork_engines)
         if profile == "mpi":
             _check_mpi(list(scheduler_args))
         self.scheduler_args = list(scheduler_args)
@@ -264,7 +279,8 @@ class Cluster:
         self._reaper = None
 
     @staticmethod
-    def _check_local_capacity(n: int, backend: Optional[str]) -> None:
+    def _check_local_capacity(n: int, backend: Optional[str]) -> bool:
+        """Check that this machine can run ``n`` local engines; whether they use CUDA."""
         import torch
 
         cuda = torch.cuda.is_available() and backend != "gloo"
@@ -283,6 +299,7 @@ class Cluster:
                     f"Cluster: n={n} engines is more than this machine can run: each CPU engine takes about "
                     f"{ENGINE_BYTES / 2**30:.1f} GiB with torch loaded, and the available memory holds {limit}. "
                     f"Use a topology of at most {limit} ranks, or a multi-node profile (profile='slurm').")
+        return cuda
 
     # ================================================================== lifecycle
     @property
@@ -323,11 +340,12 @@ class Cluster:
         os.makedirs(os.path.join(self._profile_dir, "stacks"), mode=0o700, exist_ok=True)
         kwargs = dict(n=self.world_size, profile_dir=self._profile_dir, log_level=40, shutdown_atexit=True,
                       controller_ip=self._controller_address(), config=self._launcher_config())
-        if self.profile in ("slurm", "mpi"):
+        if self.profile in ("slurm", "mpi") or self.fork_engines:
             from mlmkit.cluster import launchers
 
             kwargs["engine_launcher_class"] = {"slurm": launchers.PrivateSlurmEngineSetLauncher,
-                                               "mpi": launchers.PrivateMPIEngineSetLauncher}[self.profile]
+                                               "mpi": launchers.PrivateMPIEngineSetLauncher,
+                                               "local": launchers.ForkedEngineSetLauncher}[self.profile]
         self.ipp_cluster = ipp.Cluster(**kwargs)
         try:
             self.client = self.ipp_cluster.start_and_connect_sync(n=self.world_size)
@@ -364,6 +382,7 @@ class Cluster:
         from traitlets.config import Config
 
         cfg = Config()
+        cfg.ForkedEngineSetLauncher.start_timeout = float(self.engine_start_timeout_s)
         if self.profile == "slurm":
             cfg.SlurmEngineSetLauncher.submit_command = ["sbatch", *self.scheduler_args]
         elif self.profile == "mpi":
@@ -397,7 +416,6 @@ class Cluster:
         # A separate watchdog kills controller and engines (and removes the private folder) if this
         # kernel dies abruptly. It re-reads the pids file, which replacements update.
         import subprocess
-        import sys
 
         write_pids(self._pids_file(), self.pids())
         self._reaper = subprocess.Popen(
@@ -459,8 +477,6 @@ class Cluster:
             local.append(seen[h])
             seen[h] += 1
         results = {}
-        import sys
-
         # Engines import what the driver can: functions of the notebook's own modules (and of test
         # files) are shipped by reference and must resolve there too.
         paths = [p for p in sys.path if p and os.path.isdir(p)]
@@ -591,6 +607,9 @@ class Cluster:
         """Every process of this cluster on this host: engines, their nannies, the controller and its
         schedulers (engines on other nodes of a batch job are their job's to stop)."""
         pids = set(self._all_pids)
+        for engine_set in (getattr(self.ipp_cluster, "engines", None) or {}).values() if self.ipp_cluster else ():
+            if getattr(engine_set, "zygote_pid", None) is not None:
+                pids.add(engine_set.zygote_pid)       # the forked engines' parent (it exits after them)
         ctrl = getattr(self.ipp_cluster, "controller", None) if self.ipp_cluster else None
         if ctrl is not None and getattr(ctrl, "process", None) is not None:
             pids.add(ctrl.process.pid)
