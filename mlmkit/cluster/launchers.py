@@ -40,6 +40,25 @@ class ForkedEngineLauncher(LocalEngineLauncher):
         self._start_waiting()
         return pid
 
+    def _wait(self):
+        """Wait for the engine to exit without polling: psutil waits for a process that is not our
+        child by looking every 40 ms, from one thread per engine in the notebook's kernel; a pidfd
+        (Linux 5.3+) becomes readable when the process exits."""
+        try:
+            fd = os.pidfd_open(self.pid)
+        except (AttributeError, OSError):
+            return super()._wait()
+        try:
+            with selectors.DefaultSelector() as sel:
+                sel.register(fd, selectors.EVENT_READ)
+                while not self._stop_waiting.is_set() and self.state == "running":
+                    if sel.select(timeout=self.poll_seconds):
+                        break
+        finally:
+            os.close(fd)
+        stop_data = dict(exit_code=None, pid=self.pid, identifier=self.identifier)   # the zygote collects it
+        self.loop.add_callback(lambda: self.notify_stop(stop_data))
+
 
 class ForkedEngineSetLauncher(LocalEngineSetLauncher):
     """Local engines forked from one process that imported what every engine imports (see
