@@ -31,7 +31,7 @@ __all__ = ["ForkedEngineSetLauncher", "PrivateMPIEngineSetLauncher", "PrivateSlu
 
 class ForkedEngineLauncher(LocalEngineLauncher):
     """One engine forked by a zygote: ipyparallel's local launcher, given the pid instead of
-    starting the process (psutil waits for a process that is not our child by polling it)."""
+    starting the process; it signals and stops the engine as its own, and waits for it on a pidfd."""
 
     def start_forked(self, pid: int) -> int:
         self.pid = pid
@@ -82,9 +82,16 @@ class ForkedEngineSetLauncher(LocalEngineSetLauncher):
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env,
                                     cwd=self.work_dir, start_new_session=True)
         self.zygote_pid = proc.pid
-        proc.stdin.write(json.dumps({"argv": [*self.cluster_args, *self.engine_args],
-                                     "outputs": outputs}).encode())
-        proc.stdin.close()
+        try:
+            proc.stdin.write(json.dumps({"argv": [*self.cluster_args, *self.engine_args],
+                                         "outputs": outputs}).encode())
+        except BrokenPipeError:
+            pass                                  # it exited already: reading its pids says so, with its log
+        finally:
+            try:
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass
         pids = self._read_pids(proc, n, zygote_log)
         dlist = []
         for i, pid in enumerate(pids):
