@@ -102,10 +102,8 @@ def main() -> int:
     while children:
         try:
             pid, _ = os.wait()
-        except ChildProcessError:
+        except ChildProcessError:        # (a signal does not end the wait: Python retries it, PEP 475)
             break
-        except InterruptedError:
-            continue
         if pid in children:
             children.remove(pid)
     return 0

@@ -150,7 +150,11 @@ class GPTConfig:
     exactly even load when a rank's tokens x top_k divides by experts, else the first experts take
     one assignment more (and with fewer assignments than experts the last get none). For tests and
     for checking the estimator, which reproduces it exactly (like Megatron-LM's
-    ``--moe-router-force-load-balancing``)."""
+    ``--moe-router-force-load-balancing``). Being per rank, it routes by layout: where a
+    microbatch's tokens are split over ranks (sequence or context parallelism) a token gets
+    another expert than in the serial model, so only layouts that split them alike (pipeline, data
+    and expert parallelism, the same micro-batch size) give the serial model's numbers (measured:
+    tp=4 with SP and cp=2: by step 3 the loss 1.2e-5 and the gradient norm 3.4e-3 apart, relative)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):       # numpy numbers (a DataFrame's rows) are taken as the Python numbers they equal
