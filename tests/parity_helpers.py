@@ -1,6 +1,7 @@
 """Shared pieces of the parity tests (module-level so ranks can unpickle them)."""
 
 from mlmkit.distributed import ProcessGroups
+from mlmkit.model import gather_full
 from mlmkit.train import TrainConfig
 from mlmkit.train.trainer import Trainer
 
@@ -17,6 +18,24 @@ def first_step_gradients(world_size: int, cfg_dict: dict):
         trainer.executor.step_action()
     trainer.executor.finalize()
     return cfg, groups, trainer
+
+
+def reduced_gradients(cfg, groups, trainer) -> dict:
+    """Every gradient of this rank's chunks (finalised, before the optimizer; ZeRO stage 0 or 1),
+    gathered to its full shape over tp and averaged over its replicas as the optimizer's reduction
+    makes it: dense ones over dp x cp, experts over their expert-dp group (mlmkit.moe.layer)."""
+    experts = {n for c in trainer.chunks for n, p in c.named_parameters() if getattr(p, "expert", False)}
+    grads = {}
+    for chunk in trainer.chunks:
+        grads.update(gather_full(chunk, grads=True))
+    for name, g in grads.items():
+        if name in experts:
+            groups.expert_dp.all_reduce(g, site="test")
+            g.div_(cfg.dp * cfg.cp)
+        else:
+            groups.dp_cp.all_reduce(g, site="test")
+            g.div_(groups.dp_cp.size)
+    return grads
 
 
 # bf16 parameters after a few AdamW steps. Early Adam updates are ~lr * sign(g), so an element whose

@@ -23,7 +23,7 @@ from mlmkit.train import TrainConfig
 from mlmkit.train.checkpoint import load_checkpoint, save_checkpoint
 from mlmkit.train.trainer import Trainer, traced_step
 
-from parity_helpers import first_step_gradients
+from parity_helpers import first_step_gradients, reduced_gradients
 
 MODEL = moe_config(seq_len=16, hidden=32, heads=4, kv_heads=2, layers=2, ffn_hidden=64)
 STEPS = 3
@@ -75,16 +75,7 @@ def _train(rank, world_size, cfg_dict, starve=False):
 def _run(rank, world_size, cfg_dict):
     cfg, groups, trainer = first_step_gradients(world_size, cfg_dict)
     experts = _expert_names(trainer)
-    grads = {}
-    for chunk in trainer.chunks:
-        grads.update(gather_full(chunk, grads=True))
-    for name, g in grads.items():   # what the optimizer's reduction makes of them (mlmkit.moe.layer)
-        if name in experts:
-            groups.expert_dp.all_reduce(g, site="test")
-            g.div_(cfg.dp * cfg.cp)
-        else:
-            groups.dp_cp.all_reduce(g, site="test")
-            g.div_(groups.dp_cp.size)
+    grads = reduced_gradients(cfg, groups, trainer)
     row = trainer.finish_step()
     losses, aux = [row["loss"]], [row["aux_loss"]]
     for _ in range(STEPS - 1):

@@ -42,7 +42,7 @@ from mlmkit.train import TrainConfig
 from mlmkit.train.checkpoint import load_checkpoint, save_checkpoint
 from mlmkit.train.trainer import Trainer
 
-from parity_helpers import first_step_gradients
+from parity_helpers import first_step_gradients, reduced_gradients
 
 STEPS = 3
 LOSS_RTOL, GRAD_TOL, PARAM_TOL = 1e-5, 1e-5, 5e-5
@@ -176,18 +176,8 @@ def _run_a(rank, world_size, cfg_dict, directory):
     """3 steps: the first step's gradients (before the optimizer), the second traced, a checkpoint
     after it."""
     cfg, groups, trainer = first_step_gradients(world_size, cfg_dict)
-    grads = {}
-    if cfg.zero < 2:                       # ZeRO-2/3 keep only a shard of each reduced gradient
-        experts = {n for c in trainer.chunks for n, p in c.named_parameters() if getattr(p, "expert", False)}
-        for chunk in trainer.chunks:
-            grads.update(gather_full(chunk, grads=True))
-        for name, g in grads.items():      # what the optimizer's reduction makes of them
-            if name in experts:
-                groups.expert_dp.all_reduce(g, site="test")
-                g.div_(cfg.dp * cfg.cp)
-            else:
-                groups.dp_cp.all_reduce(g, site="test")
-                g.div_(groups.dp_cp.size)
+    # ZeRO-2/3 keep only a shard of each reduced gradient
+    grads = reduced_gradients(cfg, groups, trainer) if cfg.zero < 2 else {}
     rows = [trainer.finish_step()]
     trainer.clear_traces()
     rows.append(trainer.train_step())
