@@ -20,11 +20,26 @@ def first_step_gradients(world_size: int, cfg_dict: dict):
     return cfg, groups, trainer
 
 
+def expert_names(trainer) -> set:
+    """The names of this rank's expert parameters."""
+    return {n for c in trainer.chunks for n, p in c.named_parameters() if getattr(p, "expert", False)}
+
+
+def one_copy(cfg, groups, trainer, tensors: dict) -> dict:
+    """The whole tensors this rank contributes so that the ranks' results merge into one copy of
+    each: dense ones from the tp = cp = dp = 0 rank of each stage, experts from their own
+    expert-tp = expert-dp = 0 rank."""
+    experts = expert_names(trainer)
+    c, e = groups.coords, cfg.topology.expert_coords(groups.rank)
+    dense, expert = c.tp == 0 and c.dp == 0 and c.cp == 0, e.tp == 0 and e.dp == 0
+    return {n: t for n, t in tensors.items() if (expert if n in experts else dense)}
+
+
 def reduced_gradients(cfg, groups, trainer) -> dict:
     """Every gradient of this rank's chunks (finalised, before the optimizer; ZeRO stage 0 or 1),
     gathered to its full shape over tp and averaged over its replicas as the optimizer's reduction
     makes it: dense ones over dp x cp, experts over their expert-dp group (mlmkit.moe.layer)."""
-    experts = {n for c in trainer.chunks for n, p in c.named_parameters() if getattr(p, "expert", False)}
+    experts = expert_names(trainer)
     grads = {}
     for chunk in trainer.chunks:
         grads.update(gather_full(chunk, grads=True))

@@ -23,7 +23,7 @@ from mlmkit.train import TrainConfig
 from mlmkit.train.checkpoint import load_checkpoint, save_checkpoint
 from mlmkit.train.trainer import Trainer, traced_step
 
-from parity_helpers import first_step_gradients, reduced_gradients
+from parity_helpers import first_step_gradients, one_copy, reduced_gradients
 
 MODEL = moe_config(seq_len=16, hidden=32, heads=4, kv_heads=2, layers=2, ffn_hidden=64)
 STEPS = 3
@@ -41,10 +41,6 @@ def _config(model=None, **options) -> TrainConfig:
     base = dict(micro_batch_size=2, global_batch_size=8, lr=3e-3, min_lr=3e-4, warmup_steps=1, max_steps=5,
                 grad_clip=1.0, weight_decay=0.01, eps=1e-6)
     return TrainConfig(model=model or MODEL, **{**base, **options})
-
-
-def _expert_names(trainer) -> set:
-    return {n for c in trainer.chunks for n, p in c.named_parameters() if getattr(p, "expert", False)}
 
 
 def _starve(experts: int):
@@ -74,7 +70,6 @@ def _train(rank, world_size, cfg_dict, starve=False):
 
 def _run(rank, world_size, cfg_dict):
     cfg, groups, trainer = first_step_gradients(world_size, cfg_dict)
-    experts = _expert_names(trainer)
     grads = reduced_gradients(cfg, groups, trainer)
     row = trainer.finish_step()
     losses, aux = [row["loss"]], [row["aux_loss"]]
@@ -85,14 +80,8 @@ def _run(rank, world_size, cfg_dict):
     params = {}
     for chunk in trainer.chunks:
         params.update(gather_full(chunk))
-    c, e = groups.coords, cfg.topology.expert_coords(groups.rank)
-    dense_keeper = c.tp == 0 and c.dp == 0 and c.cp == 0
-    expert_keeper = e.tp == 0 and e.dp == 0
-
-    def pick(d):
-        return {n: t for n, t in d.items() if (expert_keeper if n in experts else dense_keeper)}
-
-    return {"losses": losses, "aux": aux, "grads": pick(grads), "params": pick(params)}
+    return {"losses": losses, "aux": aux, "grads": one_copy(cfg, groups, trainer, grads),
+            "params": one_copy(cfg, groups, trainer, params)}
 
 
 _SERIAL = {}

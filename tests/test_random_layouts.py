@@ -42,7 +42,7 @@ from mlmkit.train import TrainConfig
 from mlmkit.train.checkpoint import load_checkpoint, save_checkpoint
 from mlmkit.train.trainer import Trainer
 
-from parity_helpers import first_step_gradients, reduced_gradients
+from parity_helpers import first_step_gradients, one_copy, reduced_gradients
 
 STEPS = 3
 LOSS_RTOL, GRAD_TOL, PARAM_TOL = 1e-5, 1e-5, 5e-5
@@ -155,21 +155,12 @@ def _serial_config(cfg: TrainConfig) -> TrainConfig:
 
 
 # ------------------------------------------------------------------------------------------- ranks
-def _keep(trainer, groups, cfg, tensors: dict) -> dict:
-    """One copy of each whole tensor: dense ones from tp = cp = dp = 0, experts from their own
-    expert-tp = expert-dp = 0 rank."""
-    experts = {n for c in trainer.chunks for n, p in c.named_parameters() if getattr(p, "expert", False)}
-    c, e = groups.coords, cfg.topology.expert_coords(groups.rank)
-    dense, expert = c.tp == 0 and c.dp == 0 and c.cp == 0, e.tp == 0 and e.dp == 0
-    return {n: t for n, t in tensors.items() if (expert if n in experts else dense)}
-
-
 def _params(trainer, groups, cfg) -> dict:
     params = {}
     with trainer.full_parameters():
         for chunk in trainer.chunks:
             params.update({n: t.clone() for n, t in gather_full(chunk).items()})
-    return _keep(trainer, groups, cfg, params)
+    return one_copy(cfg, groups, trainer, params)
 
 
 def _run_a(rank, world_size, cfg_dict, directory):
@@ -186,7 +177,7 @@ def _run_a(rank, world_size, cfg_dict, directory):
         save_checkpoint(trainer, directory)
     rows.append(trainer.train_step())
     return {"losses": [r["loss"] for r in rows], "norms": [r["grad_norm"] for r in rows],
-            "grads": _keep(trainer, groups, cfg, grads), "params": _params(trainer, groups, cfg), "traces": traces}
+            "grads": one_copy(cfg, groups, trainer, grads), "params": _params(trainer, groups, cfg), "traces": traces}
 
 
 def _run_b(rank, world_size, cfg_dict, directory):
