@@ -8,6 +8,10 @@ process of that cluster (controller, engines, their nannies) has exited.
 Forked start: ``Cluster.start()`` of 8 engines forked from one process that imported torch once
 (``fork_engines=True``, the default on a Linux CPU machine) against the same start with every
 engine its own Python process (``fork_engines=False``), alternated.
+Replacement: an engine killed between calls, timed from the next ``Cluster.run`` to its result (a
+new engine forked, registered, set up, every rank re-joined): forked by the cluster's running
+zygote against the same after the zygote was killed, so that a new one imports torch again (what
+every replacement cost before the zygote stayed), alternated.
 Round trip: ``Cluster.run`` of a function that does nothing on all 4 ranks (what every stepped
 action pays on top of its compute), against ipyparallel's own ``apply_sync`` on the same engines;
 target: mlmkit's round trip at most 50 ms.
@@ -42,6 +46,28 @@ def _until_gone(pids, limit_s: float = 20.0) -> None:
     deadline = time.monotonic() + limit_s
     while alive(pids) and time.monotonic() < deadline:
         time.sleep(0.01)
+
+
+def _replacements(reps: int) -> tuple[list[float], list[float]]:
+    """Seconds to replace a killed engine: by the running zygote, and by a new one."""
+    import os
+    import signal
+
+    import psutil
+
+    warm, cold = [], []
+    with Cluster(topology=Topology(tp=2, pp=2)) as cluster:
+        for i in range(2 * reps):
+            pid = cluster.info[i % 4]["pid"]
+            fresh = (i % 4) in (1, 2)           # alternate which side runs first
+            if fresh:
+                os.kill(psutil.Process(pid).ppid(), signal.SIGKILL)     # its zygote: a new one must start
+            os.kill(pid, signal.SIGKILL)
+            _until_gone([pid])
+            t0 = time.perf_counter()
+            cluster.run(_noop)
+            (cold if fresh else warm).append(time.perf_counter() - t0)
+    return warm, cold
 
 
 def run(quick: bool = False) -> list[Row]:
@@ -81,6 +107,7 @@ def run(quick: bool = False) -> list[Row]:
         cluster.shutdown()
         _until_gone(pids)
         stops_ours.append(time.perf_counter() - t0)
+    warm, cold = _replacements(reps=2 if quick else 4)
     forked, own = [], []
     for _ in range(1 if quick else 2):
         for fork, times in ((True, forked), (False, own)):
@@ -93,6 +120,9 @@ def run(quick: bool = False) -> list[Row]:
     return [
         Row("cluster start (8 engines, gloo groups), forked engines", "fork_engines=True vs fork_engines=False",
             median(forked), median(own), "s", "n/a (reported)", None),
+        Row("engine replacement (4 engines), until the next call returns",
+            "fork by the running zygote vs a new zygote", median(warm), median(cold), "s", "n/a (reported)", None,
+            ratio=paired(warm, cold)[2]),
         Row("cluster start (4 engines, gloo groups)", "Cluster.start vs ipyparallel start_and_connect",
             median(starts_ours), median(starts_plain), "s", "n/a (reported)", None),
         Row("cluster shutdown (4 engines), until every process exited",

@@ -361,6 +361,65 @@ def test_a_zygote_that_cannot_import_fails_the_start_with_its_error(tmp_path, mo
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "mlmkit-ipp-*"))) <= before
 
 
+def test_the_zygote_forks_every_request_collects_its_children_and_exits_once_closed(tmp_path):
+    # The protocol behind engine replacement: one zygote forks a cluster's first engines and, later,
+    # the replacement of one that died, each child in its own session and log; it collects every
+    # child that exits while it waits for the next request, and exits once the driver closes it and
+    # its children are gone. (The children here run `ipengine --help`, which prints and exits.)
+    import subprocess
+    import sys
+
+    import psutil
+
+    zygote = subprocess.Popen([sys.executable, "-m", "mlmkit.cluster.zygote", str(tmp_path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, start_new_session=True)
+
+    def fork(tag, n):
+        outputs = [str(tmp_path / f"{tag}{i}.log") for i in range(n)]
+        zygote.stdin.write(json.dumps({"argv": ["--help"], "outputs": outputs, "env": dict(os.environ)}).encode() + b"\n")
+        zygote.stdin.flush()
+        pids = [int(zygote.stdout.readline()) for _ in range(n)]
+        return pids, outputs
+
+    def gone(pids):                          # exited and collected: no zombie left behind
+        deadline = time.monotonic() + 20
+        while any(psutil.pid_exists(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return not any(psutil.pid_exists(p) for p in pids)
+
+    try:
+        first, logs = fork("first", 2)
+        assert gone(first) and zygote.poll() is None          # collected, and still there for more
+        again, more = fork("again", 1)
+        assert set(again).isdisjoint(first) and gone(again)
+        for log in logs + more:
+            assert "Start an IPython engine" in open(log).read(), log
+        zygote.stdin.close()
+        assert zygote.wait(timeout=20) == 0
+    finally:
+        zygote.kill()
+
+
+def test_the_zygote_forks_only_once_the_controller_file_is_whole(tmp_path):
+    # The controller writes its connection file in place while the zygote imports; an engine that
+    # read it half written would fail to start. The zygote waits until the file parses.
+    import threading
+
+    from mlmkit.cluster.zygote import _connection_file_complete, _wait_for
+
+    path = tmp_path / "ipcontroller-engine.json"
+    whole = json.dumps({"interface": "tcp://127.0.0.1", "registration": 50001, "key": "k"})
+    assert not _connection_file_complete(str(path))                  # not there yet
+    path.write_text(whole[:25])
+    assert not _connection_file_complete(str(path))                  # half written
+    finished = threading.Timer(0.3, path.write_text, args=(whole,))
+    finished.start()
+    _wait_for(str(path), wait_s=30)
+    seen = path.read_text()                                          # what the engines would read now
+    finished.join()
+    assert seen == whole
+
+
 @pytest.mark.parametrize("kwargs,needle", [
     (dict(n=10_000), r"n=10000 engines is more than this machine can run: each CPU engine takes about 0.4 GiB"),
     (dict(n=2, grace_s=-1), r"grace_s=-1 must be a number of seconds"),

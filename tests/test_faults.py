@@ -268,6 +268,42 @@ def test_engine_killed_mid_step(harness):
     harness.check_next_step()                # rank 2 replaced, the last finished step reloaded
     now = harness.engine_pids()
     assert now[2] != pids[2] and [now[r] for r in (0, 1, 3)] == [pids[r] for r in (0, 1, 3)]
+    # Forked by the zygote that forked the engines before it (torch is not imported again).
+    zygote = _parent(now[2])
+    assert zygote in {_parent(now[r]) for r in (0, 1, 3)} and "mlmkit.cluster.zygote" in _cmdline(zygote)
+
+
+def _parent(pid: int) -> int:
+    import psutil
+
+    return psutil.Process(pid).ppid()
+
+
+def _cmdline(pid: int) -> str:
+    import psutil
+
+    return " ".join(psutil.Process(pid).cmdline())
+
+
+def test_an_engine_is_replaced_after_its_zygote_died(harness):
+    # The zygote that forks replacements was killed (by a user, the OOM killer): the engines it
+    # forked run on, and the next replacement comes from a new zygote of the same cluster, which
+    # the shutdown at the end of this module stops with everything else (the fixture checks).
+    import psutil
+
+    cluster = harness.cluster
+    pids = harness.engine_pids()
+    zygote = _parent(pids[1])
+    assert "mlmkit.cluster.zygote" in _cmdline(zygote)
+    os.kill(zygote, signal.SIGKILL)
+    os.kill(pids[1], signal.SIGKILL)
+    time.sleep(0.5)
+    harness.check_next_step()
+    now = harness.engine_pids()
+    assert now[1] != pids[1] and [now[r] for r in (0, 2, 3)] == [pids[r] for r in (0, 2, 3)]
+    fresh = _parent(now[1])
+    assert fresh != zygote and "mlmkit.cluster.zygote" in _cmdline(fresh) and fresh in cluster.pids()
+    assert not psutil.pid_exists(zygote) or psutil.Process(zygote).status() == psutil.STATUS_ZOMBIE
 
 
 def test_engine_crashing_in_cpp_is_reported_with_its_stack(harness):

@@ -60,13 +60,80 @@ class ForkedEngineLauncher(LocalEngineLauncher):
         self.loop.add_callback(lambda: self.notify_stop(stop_data))
 
 
+class _Zygote:
+    """The driver's end of one zygote process (:mod:`mlmkit.cluster.zygote`): ask it for engines,
+    read their pids; closing it lets the zygote exit once its engines have."""
+
+    def __init__(self, profile_dir: str, env: dict, log: str, cwd: str):
+        self.log = log
+        with open(log, "ab") as err:
+            # The private folder on the command line: what `ps` shows, and what a clean-up finds.
+            self.proc = subprocess.Popen([sys.executable, "-m", "mlmkit.cluster.zygote", profile_dir], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=err, env=env, cwd=cwd,
+                                         start_new_session=True)
+        self.pid = self.proc.pid
+        self.forked = 0
+
+    @property
+    def open(self) -> bool:
+        return not self.proc.stdin.closed and self.proc.poll() is None
+
+    def fork(self, request: dict, timeout_s: float) -> list[int]:
+        """Send one request; the pids of the engines it forked. Raises ``BrokenPipeError`` if the
+        zygote is gone before it read the request, ``RuntimeError`` if it fails to fork them all."""
+        n = len(request["outputs"])
+        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+        self.proc.stdin.flush()
+        text, deadline = b"", time.monotonic() + timeout_s
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            while text.count(b"\n") < n and b"error" not in text:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(timeout=left):
+                    self.proc.kill()
+                    raise RuntimeError(f"the engines' zygote did not fork {n} engines in {timeout_s:.0f} s"
+                                       + _tail(self.log))
+                chunk = os.read(self.proc.stdout.fileno(), 4096)
+                if not chunk:
+                    self.proc.wait(timeout=5)
+                    raise RuntimeError(f"the engines' zygote exited with code {self.proc.returncode} before forking "
+                                       f"{n} engines" + _tail(self.log))
+                text += chunk
+        lines = text.decode(errors="replace").splitlines()
+        if any(line.startswith("error") for line in lines):
+            raise RuntimeError(f"the engines' zygote could not fork {n} engines: "
+                               + next(line for line in lines if line.startswith("error")))
+        self.forked += n
+        return [int(p) for p in lines]
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+
+
 class ForkedEngineSetLauncher(LocalEngineSetLauncher):
     """Local engines forked from one process that imported what every engine imports (see
-    :mod:`mlmkit.cluster.zygote`): one import of torch per engine set instead of one per engine."""
+    :mod:`mlmkit.cluster.zygote`): one import of torch per cluster instead of one per engine.
+
+    The first engine set starts the zygote; later sets of the same cluster (the replacements of
+    engines that died) are forked by the same zygote while it runs, in milliseconds. The zygote is
+    kept on the ipyparallel cluster object that owns the engine sets."""
 
     launcher_class = ForkedEngineLauncher
     start_timeout = Float(120.0, config=True, help="seconds the zygote may take to import and fork")
     zygote_pid = None
+
+    def _zygote(self, env: dict, log: str) -> tuple[_Zygote, bool]:
+        """The cluster's running zygote, or a new one (and whether it is new)."""
+        zygote = getattr(self.parent, "_mlmkit_zygote", None)
+        if zygote is not None and zygote.open:
+            return zygote, False
+        zygote = _Zygote(self.profile_dir, env, log, self.work_dir)
+        if self.parent is not None:
+            self.parent._mlmkit_zygote = zygote
+        return zygote, True
 
     def start(self, n):
         self.n = n
@@ -76,23 +143,22 @@ class ForkedEngineSetLauncher(LocalEngineSetLauncher):
                    for i in range(n)]
         env = os.environ.copy()
         env.update(self.get_env())
+        name = f"ipcontroller-{self.cluster_id}-engine.json" if self.cluster_id else "ipcontroller-engine.json"
+        request = {"argv": [*self.cluster_args, *self.engine_args], "outputs": outputs, "env": env,
+                   "url_file": os.path.join(self.profile_dir, "security", name), "wait_s": self.start_timeout}
         zygote_log = os.path.join(log_dir, f"zygote-{self.cluster_id}-{self.engine_set_id}.log")
-        with open(zygote_log, "ab") as err:
-            proc = subprocess.Popen([sys.executable, "-m", "mlmkit.cluster.zygote", self.profile_dir],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env,
-                                    cwd=self.work_dir, start_new_session=True)
-        self.zygote_pid = proc.pid
+        zygote, new = self._zygote(env, zygote_log)
         try:
-            proc.stdin.write(json.dumps({"argv": [*self.cluster_args, *self.engine_args],
-                                         "outputs": outputs}).encode())
+            pids = zygote.fork(request, self.start_timeout)
         except BrokenPipeError:
-            pass                                  # it exited already: reading its pids says so, with its log
-        finally:
-            try:
-                proc.stdin.close()
-            except BrokenPipeError:
-                pass
-        pids = self._read_pids(proc, n, zygote_log)
+            if new:
+                zygote.proc.wait(timeout=5)
+                raise RuntimeError(f"the engines' zygote exited with code {zygote.proc.returncode} before forking "
+                                   f"{n} engines" + _tail(zygote_log)) from None
+            zygote.close()                       # it died between two sets: start another
+            zygote, _ = self._zygote(env, zygote_log)
+            pids = zygote.fork(request, self.start_timeout)
+        self.zygote_pid = zygote.pid
         dlist = []
         for i, pid in enumerate(pids):
             el = self.launchers[str(i)] = self.launcher_class(
@@ -104,27 +170,12 @@ class ForkedEngineSetLauncher(LocalEngineSetLauncher):
         self.notify_start(dlist)
         return dlist
 
-    def _read_pids(self, proc: subprocess.Popen, n: int, log: str) -> list[int]:
-        """The children's pids, one line each, as the zygote forks them; its log if it fails."""
-        text, deadline = b"", time.monotonic() + self.start_timeout
-        with selectors.DefaultSelector() as sel:
-            sel.register(proc.stdout, selectors.EVENT_READ)
-            while text.count(b"\n") < n:
-                left = deadline - time.monotonic()
-                if left <= 0 or not sel.select(timeout=left):
-                    proc.kill()
-                    raise RuntimeError(f"the engines' zygote did not fork {n} engines in {self.start_timeout:.0f} s"
-                                       + _tail(log))
-                chunk = os.read(proc.stdout.fileno(), 4096)
-                if not chunk:
-                    proc.wait(timeout=5)
-                    raise RuntimeError(f"the engines' zygote exited with code {proc.returncode} before forking "
-                                       f"{n} engines" + _tail(log))
-                text += chunk
-        proc.stdout.close()
-        # The zygote stays as the engines' parent (it collects them); ours to collect when it exits.
-        self._zygote = proc
-        return [int(p) for p in text.split()]
+    async def stop(self):
+        """Stop the engines, and let the zygote exit after them (a cluster stops every set at once)."""
+        zygote = getattr(self.parent, "_mlmkit_zygote", None)
+        if zygote is not None:
+            zygote.close()
+        await super().stop()
 
 
 def _tail(path: str, lines: int = 20) -> str:

@@ -8,18 +8,25 @@ of it those imports. A zygote (the name comes from Android, which starts its app
 imports them once and forks one child per engine; each child then runs ipyparallel's engine exactly
 as ``python -m ipyparallel.engine`` would, in its own session, its output in its own log file.
 
-``python -m mlmkit.cluster.zygote`` reads one JSON request on stdin::
+``python -m mlmkit.cluster.zygote`` reads requests from stdin, one JSON object a line::
 
-    {"argv": [engine arguments...], "outputs": [one log file per engine]}
+    {"argv": [engine arguments...], "outputs": [one log file per engine], "env": {...},
+     "url_file": "<the controller's engine connection file>", "wait_s": 120}
 
-imports, forks one engine per output file, writes each child's pid on a line of stdout, closes
-stdout, and then stays as the engines' parent: it collects each child that exits (so none is left
-a zombie that psutil would count as running) and exits once the last one has. Its own errors go
-to stderr, which the launcher points at a log file.
+imports once, and for each request forks one engine per output file (once ``url_file`` holds the
+controller's whole connection file, so the controller and the imports start together) and writes
+each child's pid on a line of stdout. It stays as the engines' parent: it collects each child
+that exits (so none is left a zombie that psutil would count as running), and it forks the
+replacement for an engine that died, when the driver asks, in milliseconds instead of the
+seconds a fresh import of torch takes. It exits once stdin is closed (the driver shut the cluster
+down, or the driver died) and its last child has exited. Its own errors go to stderr, which the
+launcher points at a log file.
 
 Forking is safe here because the zygote has done nothing but import: no process group, no ZMQ
-context, no event loop, no CUDA context (checked: a zygote in which CUDA was initialised refuses
-to fork) and no torch thread pool (created on the first parallel operation, after the fork).
+context, no event loop, no thread, no CUDA context (checked: a zygote in which CUDA was initialised
+refuses to fork) and no torch thread pool (created on the first parallel operation, after the
+fork). It waits for its children and its requests in one thread (``select`` on stdin and on the
+wake-up pipe of a SIGCHLD handler), which each child undoes before it becomes an engine.
 """
 
 from __future__ import annotations
@@ -28,7 +35,10 @@ import atexit
 import gc
 import json
 import os
+import select
+import signal
 import sys
+import time
 import traceback
 
 #: What a rank imports anyway (the engine, the kernel it runs, torch and its compiler front end, the
@@ -47,10 +57,17 @@ def _preload() -> None:
         raise RuntimeError("CUDA was initialised while importing; forked engines could not use it")
 
 
-def _engine(argv: list[str], output: str) -> None:
+def _engine(argv: list[str], output: str, env: dict, wake: tuple[int, int]) -> None:
     """In the child: become an engine process and never return."""
     code = 1
     try:
+        signal.set_wakeup_fd(-1)                      # the zygote's way of waiting, not the engine's
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in wake:
+            os.close(fd)
+        if env:
+            os.environ.clear()
+            os.environ.update(env)
         os.setsid()                                   # as Popen(start_new_session=True): no signal from the driver's terminal
         out = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         null = os.open(os.devnull, os.O_RDONLY)
@@ -78,35 +95,104 @@ def _engine(argv: list[str], output: str) -> None:
             os._exit(code)
 
 
+def _connection_file_complete(path: str) -> bool:
+    """The controller writes its connection file in place: an engine that reads it half written
+    fails. Complete once it parses and names where to register."""
+    try:
+        with open(path) as f:
+            return "registration" in json.load(f)
+    except (OSError, ValueError):
+        return False
+
+
+def _wait_for(path: str, wait_s: float) -> None:
+    deadline = time.monotonic() + wait_s
+    while path and not _connection_file_complete(path) and time.monotonic() < deadline:
+        time.sleep(0.02)           # past the deadline the engines start anyway and say what is missing
+
+
+class _Lines:
+    """Whole lines from a file descriptor that ``select`` said is readable (no buffering behind
+    ``select``'s back)."""
+
+    def __init__(self, fd: int):
+        self.fd, self.buffer, self.closed = fd, b"", False
+
+    def read(self) -> list[bytes]:
+        chunk = os.read(self.fd, 65536)
+        if not chunk:
+            self.closed = True
+            chunk = b"\n"                  # a last request without its newline still counts
+        self.buffer += chunk
+        *lines, self.buffer = self.buffer.split(b"\n")
+        return [line for line in lines if line.strip()]
+
+
+def _fork_engines(request: dict, wake: tuple[int, int], children: set[int]) -> None:
+    _wait_for(request.get("url_file", ""), float(request.get("wait_s", 0)))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for output in request["outputs"]:
+        try:
+            pid = os.fork()
+        except OSError as err:             # out of memory or processes: the launcher says so
+            sys.stdout.write(f"error: fork failed: {err}\n")
+            sys.stdout.flush()
+            return
+        if pid == 0:
+            _engine(list(request["argv"]), output, dict(request.get("env") or {}), wake)
+        children.add(pid)
+        sys.stdout.write(f"{pid}\n")
+        sys.stdout.flush()
+
+
+def _collect(children: set[int]) -> None:
+    while children:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            children.clear()
+            return
+        if pid == 0:
+            return
+        children.discard(pid)
+
+
 def main() -> int:
-    request = json.loads(sys.stdin.read())
-    argv, outputs = list(request["argv"]), list(request["outputs"])
+    requests = _Lines(0)
+    first = []
+    while not first and not requests.closed:     # the first request, before the imports' seconds
+        select.select([0], [], [])
+        first = requests.read()
     _preload()
     # Objects alive now stay alive in every child; out of the collector's sight, a child's
     # collections do not write to (and so copy) the pages they live in.
     gc.collect()
     gc.disable()
     gc.freeze()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    children = []
-    for output in outputs:
-        pid = os.fork()
-        if pid == 0:
-            _engine(argv, output)
-        children.append(pid)
-        sys.stdout.write(f"{pid}\n")
-        sys.stdout.flush()
-    sys.stdout.close()
-    os.close(1)
-    while children:
-        try:
-            pid, _ = os.wait()
-        except ChildProcessError:        # (a signal does not end the wait: Python retries it, PEP 475)
-            break
-        if pid in children:
-            children.remove(pid)
-    return 0
+    wake = os.pipe()
+    for fd in wake:
+        os.set_blocking(fd, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)    # a handler, so that the wake-up pipe is written
+    signal.set_wakeup_fd(wake[1])
+    children: set[int] = set()
+    pending = first
+    while True:
+        for line in pending:
+            _fork_engines(json.loads(line), wake, children)
+        pending = []
+        _collect(children)
+        if requests.closed and not children:
+            return 0
+        readable, _, _ = select.select([wake[0]] + ([] if requests.closed else [0]), [], [])
+        if wake[0] in readable:
+            try:
+                while os.read(wake[0], 512):
+                    pass
+            except BlockingIOError:
+                pass
+        if 0 in readable:
+            pending = requests.read()
 
 
 if __name__ == "__main__":
