@@ -3,7 +3,8 @@ files in the cluster's private folder.
 
 :class:`ForkedEngineSetLauncher` starts a local cluster's engines as children of one process that
 imported torch once (:mod:`mlmkit.cluster.zygote`), instead of one ``python -m ipyparallel.engine``
-per engine that each import it again. Otherwise the engines are ipyparallel's own: each one's
+per engine that each import it again; the same process forks the replacement of an engine that
+died. Otherwise the engines are ipyparallel's own: each one's
 launcher signals, stops and waits for it as for an engine it started itself.
 
 ipyparallel writes a batch system's job file into the current folder (its launchers get
@@ -72,7 +73,6 @@ class _Zygote:
                                          stdout=subprocess.PIPE, stderr=err, env=env, cwd=cwd,
                                          start_new_session=True)
         self.pid = self.proc.pid
-        self.forked = 0
 
     @property
     def open(self) -> bool:
@@ -103,7 +103,6 @@ class _Zygote:
         if any(line.startswith("error") for line in lines):
             raise RuntimeError(f"the engines' zygote could not fork {n} engines: "
                                + next(line for line in lines if line.startswith("error")))
-        self.forked += n
         return [int(p) for p in lines]
 
     def close(self) -> None:
@@ -144,8 +143,11 @@ class ForkedEngineSetLauncher(LocalEngineSetLauncher):
         env = os.environ.copy()
         env.update(self.get_env())
         name = f"ipcontroller-{self.cluster_id}-engine.json" if self.cluster_id else "ipcontroller-engine.json"
+        # The zygote waits for the controller's connection file at most 30 s; then the engines start
+        # anyway, wait ipyparallel's 10 s more and say in their logs what is missing.
         request = {"argv": [*self.cluster_args, *self.engine_args], "outputs": outputs, "env": env,
-                   "url_file": os.path.join(self.profile_dir, "security", name), "wait_s": self.start_timeout}
+                   "url_file": os.path.join(self.profile_dir, "security", name),
+                   "wait_s": min(30.0, self.start_timeout)}
         zygote_log = os.path.join(log_dir, f"zygote-{self.cluster_id}-{self.engine_set_id}.log")
         zygote, new = self._zygote(env, zygote_log)
         try:

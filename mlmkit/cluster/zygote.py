@@ -164,6 +164,8 @@ def main() -> int:
     while not first and not requests.closed:     # the first request, before the imports' seconds
         select.select([0], [], [])
         first = requests.read()
+    if not first:
+        return 0                                  # closed before asking for anything
     _preload()
     # Objects alive now stay alive in every child; out of the collector's sight, a child's
     # collections do not write to (and so copy) the pages they live in.
