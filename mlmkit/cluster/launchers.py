@@ -95,15 +95,19 @@ class _Zygote:
                                        + _tail(self.log))
                 chunk = os.read(self.proc.stdout.fileno(), 4096)
                 if not chunk:
-                    self.proc.wait(timeout=5)
-                    raise RuntimeError(f"the engines' zygote exited with code {self.proc.returncode} before forking "
-                                       f"{n} engines" + _tail(self.log))
+                    raise self.exited(n)
                 text += chunk
         lines = text.decode(errors="replace").splitlines()
         if any(line.startswith("error") for line in lines):
             raise RuntimeError(f"the engines' zygote could not fork {n} engines: "
                                + next(line for line in lines if line.startswith("error")))
         return [int(p) for p in lines]
+
+    def exited(self, n: int) -> RuntimeError:
+        """The error for a zygote that exited before forking ``n`` engines, with its log."""
+        self.proc.wait(timeout=5)
+        return RuntimeError(f"the engines' zygote exited with code {self.proc.returncode} before forking {n} engines"
+                            + _tail(self.log))
 
     def close(self) -> None:
         try:
@@ -154,9 +158,7 @@ class ForkedEngineSetLauncher(LocalEngineSetLauncher):
             pids = zygote.fork(request, self.start_timeout)
         except BrokenPipeError:
             if new:
-                zygote.proc.wait(timeout=5)
-                raise RuntimeError(f"the engines' zygote exited with code {zygote.proc.returncode} before forking "
-                                   f"{n} engines" + _tail(zygote_log)) from None
+                raise zygote.exited(n) from None
             zygote.close()                       # it died between two sets: start another
             zygote, _ = self._zygote(env, zygote_log)
             pids = zygote.fork(request, self.start_timeout)
