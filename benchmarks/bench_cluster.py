@@ -15,6 +15,10 @@ every replacement cost before the zygote stayed), alternated.
 Round trip: ``Cluster.run`` of a function that does nothing on all 4 ranks (what every stepped
 action pays on top of its compute), against ipyparallel's own ``apply_sync`` on the same engines;
 target: mlmkit's round trip at most 50 ms.
+Session step: ``Session.step()`` of the quickstart run (tp=2 x pp=2) from the notebook until its
+metrics are back, one call to the engines (begin, actions, update, save of the finished step),
+against the same step as three calls (begin; actions and update; save), as sessions stepped
+before, alternated.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 import tempfile
 import time
 
-from benchmarks.common import Row, median, paired
+from benchmarks.common import Row, alternate, median, paired
 from mlmkit import Topology
 from mlmkit.cluster import Cluster
 from mlmkit.cluster.cluster import alive
@@ -70,10 +74,36 @@ def _replacements(reps: int) -> tuple[list[float], list[float]]:
     return warm, cold
 
 
+def _session_steps(cluster, reps: int) -> tuple[list[float], list[float]]:
+    """Seconds per ``Session.step()``, and per the same step made as three calls (as before)."""
+    from mlmkit.cluster.session import _begin, _finish, _snapshot
+    from mlmkit.train import demo_config
+
+    session = cluster.session(demo_config())
+
+    def one_call() -> float:
+        t0 = time.perf_counter()
+        session.step()
+        return time.perf_counter() - t0
+
+    def three_calls() -> float:
+        t0 = time.perf_counter()
+        session._call(_begin)
+        session._call(_finish)
+        session._call(_snapshot, *session._snapshot_args())
+        return time.perf_counter() - t0
+
+    try:
+        return alternate(one_call, three_calls, reps)
+    finally:
+        session.close()
+
+
 def run(quick: bool = False) -> list[Row]:
     import ipyparallel as ipp
 
     starts_ours, starts_plain, stops_ours, stops_plain = [], [], [], []
+    session_steps = None
     for _ in range(1 if quick else 2):
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory() as d:
@@ -102,6 +132,8 @@ def run(quick: bool = False) -> list[Row]:
             t0 = time.perf_counter()
             view.apply_sync(_noop)
             plain.append(time.perf_counter() - t0)
+        if not session_steps:
+            session_steps = _session_steps(cluster, 8 if quick else 30)
         pids = cluster.pids()
         t0 = time.perf_counter()
         cluster.shutdown()
@@ -130,4 +162,7 @@ def run(quick: bool = False) -> list[Row]:
             "n/a (reported)", None),
         Row("stepped-call round trip (4 engines)", "Cluster.run(no-op) vs view.apply_sync(no-op)",
             o * 1e3, b * 1e3, "ms", "mlmkit <= 50 ms", o * 1e3 <= 50, ratio=ratio),
+        Row("session step (4 engines, quickstart tp=2 x pp=2), until its metrics are back",
+            "one call (begin, actions, update, save) vs three, as before", median(session_steps[0]) * 1e3,
+            median(session_steps[1]) * 1e3, "ms", "n/a (reported)", None, ratio=paired(*session_steps)[2]),
     ]

@@ -18,6 +18,7 @@ from mlmkit.cluster import Cluster, RankError
 from mlmkit.cluster.cluster import alive
 from mlmkit.model import GPTConfig
 from mlmkit.train import TrainConfig
+from mlmkit.train.checkpoint import latest_checkpoint
 
 CFG = TrainConfig(model=GPTConfig(vocab_size=256, seq_len=16, hidden=32, heads=4, layers=4), tp=2, pp=2,
                   micro_batch_size=2, global_batch_size=8)
@@ -184,7 +185,7 @@ def test_the_watchdog_process_knows_its_driver_by_its_start(tmp_path, driver):
 
 
 @pytest.mark.parametrize("batch_p2p", [False, True], ids=["tagged", "batched"])
-def test_stepping_action_by_action_equals_whole_steps(cluster, batch_p2p):
+def test_stepping_action_by_action_equals_whole_steps(cluster, batch_p2p, monkeypatch):
     # Batched: the lockstep rounds of the batch plan (a batch and its peers' counterparts together).
     stepped = cluster.session(CFG.replace(batch_p2p=batch_p2p))
     losses_stepped, seen, batches = [], set(), 0
@@ -200,7 +201,15 @@ def test_stepping_action_by_action_equals_whole_steps(cluster, batch_p2p):
     assert {"F", "B", "SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD"} <= seen
     assert (batches > 0) == batch_p2p          # batched: a send and a receive posted together
     whole = cluster.session(CFG)
+    # A whole step is one call to the engines (begin, actions, update, save: each call is a round
+    # trip through the controller), and the save is of the step it finished.
+    calls, run = [], cluster.run
+    monkeypatch.setattr(cluster, "run", lambda fn, *a, **k: (calls.append(fn.__name__), run(fn, *a, **k))[1])
     losses_whole = [whole.step()["loss"] for _ in range(2)]
+    monkeypatch.undo()
+    assert calls == ["_whole_step", "_whole_step"], calls
+    with open(os.path.join(latest_checkpoint(whole._snapshot_dir), "metadata.json")) as f:
+        assert json.load(f)["step"] == 2
     assert losses_stepped == losses_whole
     # A step driven action by action took the notebook's time: no throughput is made of it.
     assert stepped.metrics()[["step_time", "tokens_per_s"]].isna().all().all()

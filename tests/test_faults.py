@@ -30,7 +30,7 @@ TIMEOUT_S = 8.0           # the cluster's bound on every call (a step takes ~0.2
 REPORT_S = 5.0            # a raising or dying rank is reported within this
 
 
-REF_STEPS = 56
+REF_STEPS = 60
 
 
 class Harness:
@@ -76,9 +76,10 @@ def harness():
 
 # ------------------------------------------------------------------------------ injections (engine side)
 def _inject(state, sid, point, kind):
-    """Make this rank fail once at ``point``: an action index of its schedule, "finalize" or
-    "optimizer". ``kind``: "raise", "kill" (SIGKILL itself), "abort" (a crash in C++: SIGABRT),
-    "hang" (sleep far past the bound), "slow" (sleep 1.5 s, interruptible)."""
+    """Make this rank fail once at ``point``: an action index of its schedule, "finalize",
+    "optimizer" or "save" (the session saving the finished step). ``kind``: "raise", "kill"
+    (SIGKILL itself), "abort" (a crash in C++: SIGABRT), "hang" (sleep far past the bound),
+    "slow" (sleep 1.5 s, interruptible)."""
     import os
     import signal
     import time
@@ -106,7 +107,11 @@ def _inject(state, sid, point, kind):
 
         setattr(obj, name, wrapped)
 
-    if point == "finalize":
+    if point == "save":                  # the finished step's save (the same call as the step)
+        from mlmkit.train import checkpoint
+
+        once(checkpoint, "save_checkpoint")
+    elif point == "finalize":
         once(ex, "finalize")
     elif point == "optimizer":
         once(trainer.optimizer, "step")
@@ -117,18 +122,19 @@ def _inject(state, sid, point, kind):
 def _points(rank, cfg=CFG):
     """Every place a step of ``rank`` can fail: each value the executor's ``index`` (actions done)
     takes before a ``step_action`` (with ``batch_p2p`` a batch of sends and receives is one call that
-    counts all its actions), then the two phases after the actions."""
+    counts all its actions), then the three phases after the actions: the step's end, the optimizer
+    and the save of the finished step (a failed save: the step is done again from the last one saved)."""
     pp = cfg.topology.coords(rank).pp
     schedule = make_schedule(cfg.schedule, stages=cfg.pp, microbatches=cfg.microbatches, chunks=cfg.chunks)
     if cfg.batch_p2p:
         sizes = [len(step.actions) for step in plan_batches(schedule).steps[pp]]
     else:
         sizes = [1] * len(schedule.actions[pp])
-    return [0, *itertools.accumulate(sizes)][:-1] + ["finalize", "optimizer"]
+    return [0, *itertools.accumulate(sizes)][:-1] + ["finalize", "optimizer", "save"]
 
 
 # One rank of each pipeline stage (a tp-rank-1 and a tp-rank-0), every action index of the step and
-# the two phases after it: every place a step can fail; and random points of the other two ranks.
+# the three phases after it: every place a step can fail; and random points of the other two ranks.
 SWEEP = [(rank, point) for rank in (1, 2) for point in _points(rank)]
 SWEEP += [(rank, random.Random(7 + k).choice(_points(rank))) for k, rank in enumerate((0, 3, 0, 3, 0, 3))]
 
@@ -319,7 +325,9 @@ def test_engine_crashing_in_cpp_is_reported_with_its_stack(harness):
     assert info.value.rank == 1 and "Fatal Python error: Aborted" in text, text
     assert "in fire" in text and "mlmkit/cluster/engine.py" in text and "Extension modules" not in text, text
     harness.check_next_step()                # rank 1 replaced
-    cluster.run(_inject, harness.session.id, 2, "kill", ranks=[1])
+    # Killed while saving the finished step (the step's own call): the step is done again from the
+    # last one saved, whose checkpoint the half-written one did not replace.
+    cluster.run(_inject, harness.session.id, "save", "kill", ranks=[1])
     with pytest.raises(EngineDied) as info:
         harness.session.step()
     assert info.value.rank == 1 and "crashed" not in str(info.value), str(info.value)
