@@ -20,8 +20,10 @@ The session is always in a defined state; training never goes silently wrong:
 - **The last finished step is kept.** After every step each rank's state is saved (a checkpoint
   of the session's own, in the cluster's private folder, replaced at every step; or into
   ``checkpoint_dir`` with ``save_every_step=True``, where the session's newest checkpoint replaces
-  its previous one and checkpoints it did not write are kept). ``keep_last_step=False`` saves nothing; then
-  a loss of state raises :class:`StateLost` instead of being repaired.
+  its previous one and checkpoints it did not write are kept). The save is part of the step (the
+  same call to the engines): a step whose save failed is not recorded and is done again from the
+  last one saved. ``keep_last_step=False`` saves nothing; then a loss of state raises
+  :class:`StateLost` instead of being repaired.
 - **A failed step is abandoned on every rank** before the next call: gradients and activations
   dropped, the optimizer never stepped, so the weights are those of the last finished step. If a
   rank failed while the optimizer was changing weights, every rank reloads the last finished step.
