@@ -142,7 +142,7 @@ SWEEP += [(rank, random.Random(7 + k).choice(_points(rank))) for k, rank in enum
 def _raise_everywhere(harness, sweep):
     cluster, session = harness.cluster, harness.session
     pids, generation = harness.engine_pids(), cluster.generation
-    slowest = 0.0
+    slowest, replaced = 0.0, []
     for rank, point in sweep:
         cluster.run(_inject, session.id, point, "raise", ranks=[rank])
         t0 = time.monotonic()
@@ -150,11 +150,14 @@ def _raise_everywhere(harness, sweep):
             session.step()
         elapsed = time.monotonic() - t0
         slowest = max(slowest, elapsed)
+        if "get new engines" in str(info.value).splitlines()[0]:     # peers not released: killed
+            replaced.append((rank, point, round(elapsed, 2), str(info.value).splitlines()[0]))
         assert type(info.value) is RankError and info.value.rank == rank, (rank, point, info.value)
         assert f"injected failure at {point}" in info.value.remote_traceback
         assert elapsed < REPORT_S, (rank, point, elapsed)
         harness.check_next_step()            # weights of the last finished step were intact
-    assert harness.engine_pids() == pids and cluster.generation == generation   # no engine replaced
+    # no engine replaced (were any, the failures after which peers were not released, and when)
+    assert harness.engine_pids() == pids and cluster.generation == generation, replaced
     return slowest
 
 
