@@ -151,13 +151,16 @@ def _raise_everywhere(harness, sweep):
         elapsed = time.monotonic() - t0
         slowest = max(slowest, elapsed)
         if "get new engines" in str(info.value).splitlines()[0]:     # peers not released: killed
-            replaced.append((rank, point, round(elapsed, 2), str(info.value).splitlines()[0]))
+            replaced.append((rank, point, round(elapsed, 2), str(info.value).splitlines()[0], info.value.unreleased))
         assert type(info.value) is RankError and info.value.rank == rank, (rank, point, info.value)
         assert f"injected failure at {point}" in info.value.remote_traceback
         assert elapsed < REPORT_S, (rank, point, elapsed)
         harness.check_next_step()            # weights of the last finished step were intact
-    # no engine replaced (were any, the failures after which peers were not released, and when)
-    assert harness.engine_pids() == pids and cluster.generation == generation, replaced
+    # no engine replaced (were any: the failures after which peers were not released, when, and
+    # where each of those peers was when it was killed)
+    assert harness.engine_pids() == pids and cluster.generation == generation, "\n".join(
+        f"rank {rank} at {point}, {elapsed} s: {first}\n" + "\n".join(f"rank {q} was at:\n{stack}" for q, stack in stacks.items())
+        for rank, point, elapsed, first, stacks in replaced)
     return slowest
 
 
@@ -363,6 +366,32 @@ def test_stuck_rank_is_named_with_its_stack(harness):
     harness.check_next_step()
     now = harness.engine_pids()
     assert now[1] != pids[1] and [now[r] for r in (0, 2, 3)] == [pids[r] for r in (0, 2, 3)]
+
+
+def test_peer_not_freed_by_a_failure_is_named_with_its_stack(harness):
+    # Rank 1 raises as the step begins while rank 0 hangs outside communication (its connections
+    # stay open): rank 2, waiting for rank 0's activations, is not freed either. After grace_s both
+    # are killed, and the error says where each was.
+    cluster, session = harness.cluster, harness.session
+    pids = harness.engine_pids()
+    cluster.run(_inject, session.id, 0, "hang", ranks=[0])
+    cluster.run(_inject, session.id, 0, "raise", ranks=[1])
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        session.step()
+    elapsed = time.monotonic() - t0
+    err = info.value
+    assert type(err) is RankError and err.rank == 1 and "injected failure at 0" in err.remote_traceback
+    assert sorted(err.unreleased) == [0, 2], err
+    assert "in fire" in err.unreleased[0]                                           # where rank 0 hung
+    assert "in fire" not in err.unreleased[2] and "recv" in err.unreleased[2]       # rank 2 waited for it
+    first = str(err).splitlines()[0]
+    assert first == "rank 1 raised (ranks [0, 2] get new engines at the next call):", first
+    assert "--- rank 0 (not freed by the failure within grace_s: killed) was at:" in str(err)
+    assert cluster.grace_s <= elapsed < cluster.grace_s + REPORT_S, elapsed
+    harness.check_next_step()
+    now = harness.engine_pids()
+    assert [now[r] != pids[r] for r in range(4)] == [True, False, True, False]
 
 
 def _interrupt_later(delays):

@@ -20,7 +20,10 @@ Failures never hang the notebook, and an error arrives promptly; repairs happen 
 - A rank raises: it abandons its step and drops its process groups at once (closing its
   connections), which frees peers blocked in a collective or a receive with it; the error is
   raised with the rank and its remote traceback within a few seconds. No engine is replaced:
-  the next call re-joins every rank to a fresh ``torch.distributed`` world on a new port.
+  the next call re-joins every rank to a fresh ``torch.distributed`` world on a new port. A peer
+  that the failure does not free within ``grace_s`` (busy outside communication, or blocked on
+  such a rank) dumps its Python stack and is killed: the error names it with where it was
+  (``unreleased``), and its engine is replaced at the next call.
 - A rank does not finish within ``timeout_s``: every unfinished local rank dumps its Python stack;
   ranks that are not blocked in communication (the stuck ones) are killed first, which frees the
   ranks blocked on them; anything still running a moment later is killed too. :class:`RankTimeout`
@@ -70,13 +73,19 @@ MAX_LOCAL_ENGINES = 64
 
 
 class RankError(RuntimeError):
-    """A rank raised. ``rank``: which; ``remote_traceback``: its traceback; ``others``: later failures."""
+    """A rank raised. ``rank``: which; ``remote_traceback``: its traceback; ``others``: later failures;
+    ``unreleased``: peers that the failure did not free within ``grace_s`` (rank -> where its Python
+    stack was), killed (their engines are replaced at the next call)."""
 
     what = "raised"
 
-    def __init__(self, rank: int, remote_traceback: str, *, others: Optional[dict] = None, note: str = ""):
+    def __init__(self, rank: int, remote_traceback: str, *, others: Optional[dict] = None, note: str = "",
+                 unreleased: Optional[dict] = None):
         self.rank, self.remote_traceback, self.others = rank, remote_traceback, others or {}
-        super().__init__(f"rank {rank} {self.what}{note}:\n{remote_traceback}")
+        self.unreleased = unreleased or {}
+        where = "".join(f"\n--- rank {q} (not freed by the failure within grace_s: killed) was at:\n{stack or '(no stack: engine on another host)'}"
+                        for q, stack in sorted(self.unreleased.items()))
+        super().__init__(f"rank {rank} {self.what}{note}:\n{remote_traceback}{where}")
 
 
 class EngineDied(RankError):
@@ -768,7 +777,12 @@ class Cluster:
                               for q in culprits)
             raise RankTimeout(r, f"ranks {culprits} did not finish within {timeout_s:g} s and were stopped (their "
                                  f"engines are replaced at the next call).\n{where}", ranks=culprits, stacks=stacks)
+        unreleased = {}
         if stuck:                                    # blocked on a failed peer and not released: stop them
+            stacks = self._dump_stacks(stuck)        # where they are (and a last moment to finish)
+            poll()
+            stuck = unfinished()
+            unreleased = {r: stacks.get(r, "") for r in stuck}
             self._kill(stuck)
         note = f" (ranks {sorted(dead | set(stuck))} get new engines at the next call)" if (dead or stuck) else ""
         if dead:
@@ -776,10 +790,11 @@ class Cluster:
             r = sorted(dead)[0]
             crash = self._crash_stack(r)
             raise EngineDied(r, f"the engine of rank {r} (pid {self.info[r]['pid']}) died"
-                                + (f"; it crashed:\n{crash}" if crash else ""), others=others, note=note)
+                                + (f"; it crashed:\n{crash}" if crash else ""), others=others, note=note,
+                              unreleased=unreleased)
         r = _root_cause(failures)
         others.pop(r, None)
-        raise RankError(r, failures[r][1], others=others, note=note)
+        raise RankError(r, failures[r][1], others=others, note=note, unreleased=unreleased)
 
     def _interrupt(self, busy: list[int], poll, unfinished) -> None:
         """Ctrl-C while waiting: SIGINT the busy engines (their Python code stops and aborts), then
