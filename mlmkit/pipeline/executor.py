@@ -13,7 +13,7 @@ What an action does on this rank (``c`` = chunk, ``mb`` = microbatch, ``m`` micr
   activations otherwise); the last virtual stage computes the loss and scales it by ``1/m``.
   The input and output are kept until the backward.
 - ``SEND_ACT`` / ``SEND_GRAD``: ``isend`` the output activations or the input gradient; sends are
-  waited for at the end of the step.
+  waited for once delivered, the last ones at the end of the step (:meth:`PipelineExecutor.wait_sends`).
 - ``B``: backward through the chunk from the received output gradient (or from the loss); with a
   split schedule the linear layers' weight-gradient GEMMs are queued instead of run
   (:mod:`mlmkit.tensor_parallel.weight_grad`), so B computes the input gradient and the cheap
@@ -508,6 +508,10 @@ class PipelineExecutor:
         t0 = time.perf_counter()
         works = dist.batch_isend_irecv(ops)
         self._pending = works
+        if len(works) == len(ops):        # one work per operation (gloo): the receives first, since
+            # a receive from a peer that failed fails at once, a send to it may not (see wait_sends)
+            kinds = [self.actions[i].kind.startswith("RECV") for i in step.actions]
+            works = [w for w, r in zip(works, kinds) if r] + [w for w, r in zip(works, kinds) if not r]
         for work in works:
             work.wait()
         self._pending = []
@@ -667,18 +671,16 @@ class PipelineExecutor:
         if h is not None and h.released and h.input_grad is None and h.weight_work is None:
             del self._held[key]
 
-    def finalize(self) -> None:
-        """After the last action: wait for sends, then the gradient sums that need every stage
-        (sequence-parallel parameters over TP, tied embedding over the embedding group).
-        Collective: call it on every rank once the step's actions are done (idempotent)."""
+    def finalize(self, *, wait_sends: bool = True) -> None:
+        """After the last action: the gradient sums that need every stage (sequence-parallel
+        parameters over TP, tied embedding over the embedding group), then (``wait_sends``) the
+        wait for this step's sends still pending (see :meth:`wait_sends`). Collective: call it on
+        every rank once the step's actions are done (idempotent)."""
         if not self.done:
             raise RuntimeError(f"finalize() before the step's actions are done ({self.state().next_action} is next)")
         if self._finalized:
             return
         self._finalized = True
-        for work, _ in self._sends.values():
-            work.wait()
-        self._sends.clear()
         self._held.clear()
         for model in self.chunks:
             sync_sequence_parallel_grads(model, self.groups.tp)
@@ -686,3 +688,21 @@ class PipelineExecutor:
             sync_expert_tp_grads(model, self.groups.expert_tp)
         sync_embedding_grads(self.chunks, self.groups.embedding)
         self._open = False
+        if wait_sends:
+            self.wait_sends()
+
+    def wait_sends(self) -> None:
+        """Wait for the step's sends still pending (unbatched path) and free their tensors.
+
+        Called by the trainer after its loss all-reduce over the world, not in :meth:`finalize`:
+        every rank has then done its actions, so every message was received and the wait returns
+        at once. Waited for earlier, a send could block a healthy rank after a peer failed: when
+        the receiver had posted its receive and then dropped its connections just before the data
+        went out, gloo (torch 2.13) leaves the failed write queued, and closing the connection
+        wakes the sends and receives still waiting for their peer but not that queued write; the
+        sender waited until the collective timeout while its peers were released in milliseconds
+        (seen about once in 200 failures injected at the last actions of a 1F1B step). A collective
+        over the world fails on every rank once any rank has dropped its groups."""
+        for work, _ in self._sends.values():
+            work.wait()
+        self._sends.clear()

@@ -180,8 +180,9 @@ class Trainer:
         self._refuse_torn("finish_step")
         if not self.executor.done:
             raise RuntimeError(f"the schedule is not finished ({self.executor.state().next_action} is next)")
-        self.executor.finalize()
+        self.executor.finalize(wait_sends=False)
         loss = self._mean_loss()
+        self.executor.wait_sends()           # every rank reached the loss: every message was received
         lr = self.lr()
         self.updating = True
         grad_norm = self.optimizer.step(lr=lr)
