@@ -701,7 +701,7 @@ class PipelineExecutor:
         went out, gloo (torch 2.13) leaves the failed write queued, and closing the connection
         wakes the sends and receives still waiting for their peer but not that queued write; the
         sender waited until the collective timeout while its peers were released in milliseconds
-        (seen about once in 200 failures injected at the last actions of a 1F1B step). A collective
+        (about once in 100 failures injected at the last actions of a 1F1B step). A collective
         over the world fails on every rank once any rank has dropped its groups."""
         for work, _ in self._sends.values():
             work.wait()
