@@ -72,6 +72,10 @@ ENGINE_BYTES = 400 * 2**20
 MAX_LOCAL_ENGINES = 64
 
 
+def _where(rank: int, stack: str, label: str = "") -> str:
+    return f"--- rank {rank}{label} was at:\n{stack or '(no stack: engine on another host)'}"
+
+
 class RankError(RuntimeError):
     """A rank raised. ``rank``: which; ``remote_traceback``: its traceback; ``others``: later failures;
     ``unreleased``: peers that the failure did not free within ``grace_s`` (rank -> where its Python
@@ -83,7 +87,7 @@ class RankError(RuntimeError):
                  unreleased: Optional[dict] = None):
         self.rank, self.remote_traceback, self.others = rank, remote_traceback, others or {}
         self.unreleased = unreleased or {}
-        where = "".join(f"\n--- rank {q} (not freed by the failure within grace_s: killed) was at:\n{stack or '(no stack: engine on another host)'}"
+        where = "".join("\n" + _where(q, stack, " (not freed by the failure within grace_s: killed)")
                         for q, stack in sorted(self.unreleased.items()))
         super().__init__(f"rank {rank} {self.what}{note}:\n{remote_traceback}{where}")
 
@@ -773,8 +777,7 @@ class Cluster:
         if not failures and not dead:                # nobody failed: the bound ran out
             culprits, stacks = self._stop_stuck(stuck, poll, unfinished)
             r = culprits[0]
-            where = "\n".join(f"--- rank {q} was at:\n{stacks.get(q) or '(no stack: engine on another host)'}"
-                              for q in culprits)
+            where = "\n".join(_where(q, stacks.get(q)) for q in culprits)
             raise RankTimeout(r, f"ranks {culprits} did not finish within {timeout_s:g} s and were stopped (their "
                                  f"engines are replaced at the next call).\n{where}", ranks=culprits, stacks=stacks)
         unreleased = {}
