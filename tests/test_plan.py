@@ -117,7 +117,8 @@ def test_published_results_within_15_percent_for_most_rows():
     (dict(schedule="interleaved-1f1b", chunks=1), "schedule='interleaved-1f1b' runs several model chunks per rank: "
                                                   "chunks=1 is '1f1b'"),
     (dict(pp=8, chunks=8), "pp=8 x chunks=8 virtual stages are more than the 32 layers"),
-    (dict(gpus=1000), "no tp (dividing the 32 heads) x cp x pp (at most the 32 layers) x dp (dividing the global "
+    (dict(gpus=1000), "no layout of 1000 GPUs divides this job without constraints (global_batch_size=256, heads=32, "
+                      "layers=32): no tp (dividing the 32 heads) x cp x pp (at most the 32 layers) x dp (dividing the global "
                       "batch of 256) makes 1000 GPUs"),
     (dict(global_batch_size=1, schedule="interleaved-1f1b"), "no layout takes schedule='interleaved-1f1b' (the "
                                                             "degrees must divide"),

@@ -243,7 +243,8 @@ def plan(model: GPTConfig, *, gpus: int, gpu="h100-sxm", global_batch_size: int,
         model = replace(model, seq_len=s)
     layouts = search_space(model, hw, gpus=gpus, global_batch_size=global_batch_size, seq_len=s, **constraints)
     if not layouts:
-        raise ValueError(f"plan: no layout of {gpus} GPUs divides this job with constraints {constraints or 'none'} "
+        given = f"with constraints {constraints}" if constraints else "without constraints"
+        raise ValueError(f"plan: no layout of {gpus} GPUs divides this job {given} "
                          f"(global_batch_size={global_batch_size}, heads={model.heads}, layers={model.layers}): "
                          + _why_no_layout(model, hw, gpus=gpus, global_batch_size=global_batch_size, seq_len=s,
                                           fixed=constraints))
