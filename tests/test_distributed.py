@@ -229,3 +229,41 @@ def test_keep_freed_memory_refuses_bad_thresholds(kwargs, needle):
 
     with pytest.raises(ValueError, match=re.escape(needle) + ".*positive number of bytes"):
         keep_freed_memory(**kwargs)
+
+
+def _ring_with_a_dropped_peer(rank, world_size, flag):
+    # A ring of 3: rank 2 drops its groups (as a failing rank does), rank 0's shift sends to rank 1
+    # and receives from rank 2, and rank 1 comes to the shift only after rank 0 has written
+    # ``flag`` (or 20 s). Rank 0 must learn of the failure from its receive: its send waits for
+    # rank 1's receive, which rank 1 has not posted.
+    groups = ProcessGroups.build(Topology(cp=3))
+    if rank == 2:
+        pg = groups.cp.pg
+        groups.drop()
+        dist.destroy_process_group(pg)        # its connections close, as a failing rank's do
+        return pg is not dist.group.WORLD
+    if rank == 0:
+        shift = groups.cp.ring_shift(torch.ones(4), site="test")
+        try:
+            shift.wait()
+            outcome = "received"
+        except RuntimeError as err:
+            outcome = f"raised: {err}"
+        with open(flag, "w") as f:
+            f.write(outcome)
+        return outcome
+    deadline = time.monotonic() + 20
+    while not os.path.exists(flag) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return os.path.exists(flag)
+
+
+def test_a_ring_shift_fails_on_its_receive_while_its_send_waits(tmp_path):
+    # Context parallelism's ring: when the previous rank failed, wait() raises from the receive at
+    # once instead of waiting first for the send to the next rank (which may never complete, see
+    # PipelineExecutor.wait_sends), so the rank is released like its peers.
+    flag = str(tmp_path / "rank0-done")
+    outcome, saw_flag, own_group = run_ranks(_ring_with_a_dropped_peer, world_size=3, args=(flag,), timeout_s=60,
+                                     collective_timeout_s=40)
+    assert own_group and outcome.startswith("raised"), outcome
+    assert saw_flag, "rank 0 waited for its send to rank 1 before its failed receive from rank 2"

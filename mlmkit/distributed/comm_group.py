@@ -191,7 +191,11 @@ class RingShift:
         self.start, self.site, self.phase, self.nxt, self.prv = start, site, phase, nxt, prv
 
     def wait(self) -> torch.Tensor:
-        for w in self.works:
+        # The receive first when each operation has its own work (gloo; NCCL may give one for the
+        # batch): a receive from a peer that failed fails at once, while a send to a peer that
+        # failed just after posting its receive can stay queued in gloo until the group's timeout
+        # (PipelineExecutor.wait_sends explains it), so a rank whose ring broke is released.
+        for w in (reversed(self.works) if len(self.works) == 2 else self.works):
             w.wait()
         g, n = self.group, _nbytes(self.recv)
         g._record("send", n, self.start, self.site, peers=(g.global_rank, self.nxt), wire=n, phase=self.phase)
