@@ -264,6 +264,6 @@ def test_a_ring_shift_fails_on_its_receive_while_its_send_waits(tmp_path):
     # PipelineExecutor.wait_sends), so the rank is released like its peers.
     flag = str(tmp_path / "rank0-done")
     outcome, saw_flag, own_group = run_ranks(_ring_with_a_dropped_peer, world_size=3, args=(flag,), timeout_s=60,
-                                     collective_timeout_s=40)
+                                             collective_timeout_s=40)
     assert own_group and outcome.startswith("raised"), outcome
     assert saw_flag, "rank 0 waited for its send to rank 1 before its failed receive from rank 2"
