@@ -513,6 +513,8 @@ def test_layouts_and_predictions_refuse_what_they_cannot_be():
     (["--model", "quickstart", "--top", "-2"], "top=-2 must be a positive integer"),
     (["--model", "quickstart", "--top-k", "4"],          # a dense model's plan, --top-k ignored before
      "--top-k applies to a mixture of experts, and this model has none: add --experts N"),
+    (["--model", "quickstart", "--top-k", "3", "--no-moe-renormalize"],
+     "--top-k, --no-moe-renormalize apply to a mixture of experts, and this model has none: add --experts N"),
 ])
 def test_cli_refuses_what_local_cpu_cannot_plan_before_calibrating(flags, needle):
     # The calibration starts processes for half a minute; what it cannot change is refused first.
@@ -526,3 +528,19 @@ def test_planning_code_imports_no_torch():
     code = ("import sys, mlmkit.plan, mlmkit.plan.timing; from mlmkit.plan import plan; "
             "bad=[m for m in sys.modules if m.startswith('torch')]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_top_1_routing_from_the_command_line():
+    # `--top-k 1` on a mixture of experts was refused by GPTConfig with "set moe_renormalize=False", a
+    # field no flag set: --no-moe-renormalize sets it, and the refusal names that flag.
+    from mlmkit.plan.__main__ import _model, _parse
+
+    base = ["--model", "mixtral-8x7b", "--gpus", "64", "--global-batch-size", "64"]
+    with pytest.raises(ValueError, match=r"^--top-k 1 with renormalised expert weights gives every token weight 1 "
+                                         r"and the router no gradient from the loss: add --no-moe-renormalize"):
+        _model(_parse(base + ["--top-k", "1"]))
+    model = _model(_parse(base + ["--top-k", "1", "--no-moe-renormalize"]))
+    assert (model.experts, model.top_k, model.moe_renormalize) == (8, 1, False)
+    assert _model(_parse(base)).moe_renormalize is True
+    table = plan(model, gpus=64, gpu="h100-sxm", global_batch_size=64, top=1)
+    assert len(table) == 1 and table.iloc[0].step_time_s > 0

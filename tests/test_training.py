@@ -713,7 +713,15 @@ def test_bad_train_configs_are_named(change, needle):
                                           (["--top-k", "4", "--moe-capacity-factor", "1"], "--top-k, "
                                            "--moe-capacity-factor apply to a mixture of experts, and this model has "
                                            "none: add --experts N"),
-                                          (["--top-k", "2"], "--top-k applies to a mixture of experts")])
+                                          (["--top-k", "2"], "--top-k applies to a mixture of experts"),
+                                          (["--no-moe-renormalize"], "--no-moe-renormalize applies to a mixture "
+                                           "of experts"),
+                                          # GPTConfig's message names a field a command line has not got
+                                          (["--experts", "4", "--top-k", "1"], "--top-k 1 with renormalised "
+                                           "expert weights gives every token weight 1 and the router no gradient "
+                                           "from the loss: add --no-moe-renormalize"),
+                                          (["--experts", "4", "--top-k", "1", "--moe-renormalize"], "add "
+                                           "--no-moe-renormalize")])
 def test_bad_cli_flags_fail_before_any_process_group(flags, needle):
     out = subprocess.run([sys.executable, "-m", "mlmkit.train", *flags], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and needle in out.stderr, out.stderr[-2000:]
@@ -799,6 +807,25 @@ def test_a_schedule_flag_brings_its_chunks(tmp_path):
     with pytest.raises(ValueError, match=r"'zb-v' runs exactly 2 model chunks per rank, in a V \(chunks=2\), not "
                                          r"chunks=1"):
         build_config(_parse(["--schedule", "zb-v", "--chunks", "1"]))      # said outright: refused, as before
+
+
+def test_top_1_routing_from_the_command_line(tmp_path):
+    # `--experts 4 --top-k 1` was refused by GPTConfig with "set moe_renormalize=False", a field no
+    # flag set: top-1 (Switch) routing needed a config file. --no-moe-renormalize sets it.
+    from mlmkit.train.__main__ import _parse, build_config
+
+    model = build_config(_parse(["--tp", "1", "--experts", "4", "--top-k", "1", "--no-moe-renormalize"])).model
+    assert (model.experts, model.top_k, model.moe_renormalize) == (4, 1, False)
+    assert build_config(_parse(["--tp", "1", "--experts", "4"])).model.moe_renormalize is True      # the default kept
+    serial = demo_config(tp=1)
+    config = tmp_path / "switch.json"
+    serial.replace(model=dataclasses.replace(serial.model, experts=4, top_k=1, moe_renormalize=False)).save(str(config))
+    assert build_config(_parse(["--config", str(config)])).model.moe_renormalize is False
+    with pytest.raises(ValueError, match=r"^top_k=1 \(the config's\) with renormalised expert weights gives every "
+                                         r"token weight 1 .* add --no-moe-renormalize"):
+        build_config(_parse(["--config", str(config), "--moe-renormalize"]))
+    with pytest.raises(ValueError, match=r"^--top-k 1 with renormalised expert weights"):
+        build_config(_parse(["--tp", "1", "--experts", "4", "--top-k", "1"]))
 
 
 def test_files_a_run_reads_and_writes_are_checked_before_it_starts(tmp_path):

@@ -51,6 +51,9 @@ def _parse(argv):
     p.add_argument("--recompute", choices=["none", "selective", "full"])
     for name in SHAPE:
         p.add_argument(f"--{name.replace('_', '-')}", type=int)
+    p.add_argument("--moe-renormalize", action=argparse.BooleanOptionalAction, default=None,
+                   help="rescale a token's top-k expert weights to sum to 1 (the presets' default); "
+                        "--no-moe-renormalize keeps the raw router scores (Switch; needed with --top-k 1)")
     p.add_argument("--no-flash-attention", action="store_true",
                    help="attention as separate kernels (the [s, s] scores go through memory)")
     p.add_argument("--top", type=int, default=10, help="layouts to print (default 10; 0: every layout)")
@@ -68,10 +71,19 @@ def _model(args) -> GPTConfig:
         except OSError as err:
             raise ValueError(f"--model {args.model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a "
                              f"readable JSON file: {err}") from None
-    shape = {k: getattr(args, k) for k in SHAPE if getattr(args, k) is not None}
+    shape = {k: getattr(args, k) for k in SHAPE + ("moe_renormalize",) if getattr(args, k) is not None}
+    experts = shape.get("experts", model.experts)
+    if experts and shape.get("top_k", model.top_k) == 1 and shape.get("moe_renormalize", model.moe_renormalize):
+        # GPTConfig refuses it naming a config field, which a command line has not got
+        said = "--top-k 1" if args.top_k is not None else f"{args.model}'s top_k=1"
+        raise ValueError(f"{said} with renormalised expert weights gives every token weight 1 and the router no "
+                         f"gradient from the loss: add --no-moe-renormalize (Switch Transformer's raw router score)")
     model = replace(model, **shape) if shape else model
-    if args.top_k is not None and not model.moe:           # it changed nothing
-        raise ValueError("--top-k applies to a mixture of experts, and this model has none: add --experts N")
+    given = [f"--{'no-' if getattr(args, k) is False else ''}{k.replace('_', '-')}"
+             for k in ("top_k", "moe_renormalize") if getattr(args, k) is not None]
+    if given and not model.moe:           # they changed nothing
+        raise ValueError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to a mixture of experts, and "
+                         f"this model has none: add --experts N")
     return model
 
 

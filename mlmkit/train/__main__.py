@@ -49,6 +49,9 @@ def _parse(argv):
     p.add_argument("--kv-heads", type=int, help="key/value heads (grouped-query attention)")
     p.add_argument("--experts", type=int, help="experts per layer: every MLP becomes a mixture of experts")
     p.add_argument("--top-k", type=int, help="experts each token goes to (with --experts)")
+    p.add_argument("--moe-renormalize", action=argparse.BooleanOptionalAction, default=None,
+                   help="rescale a token's top-k expert weights to sum to 1 (Mixtral; the default); "
+                        "--no-moe-renormalize keeps the raw router scores (Switch; needed with --top-k 1)")
     p.add_argument("--moe-aux-loss-coeff", type=float, help="weight of the load-balancing loss")
     p.add_argument("--moe-capacity-factor", type=float, help="expert capacity factor (default: dropless)")
     p.add_argument("--precision", choices=["fp32", "bf16"], help="bf16: mixed precision as Megatron-LM")
@@ -102,21 +105,43 @@ def build_config(args) -> TrainConfig:
             model["kv_heads"] = cfg.model.heads // 2          # grouped-query attention by default
     if args.kv_heads is not None:
         model["kv_heads"] = args.kv_heads
-    for flag in ("experts", "top_k", "moe_aux_loss_coeff", "moe_capacity_factor"):
+    for flag in MOE_FLAGS:
         if getattr(args, flag) is not None:
             model[flag] = getattr(args, flag)
+    _check_top_1(args, cfg.model)
     if model:
         overrides["model"] = model
     # A batch job writes no traces: recording them would cost time on every collective and memory
     # that grows with every step (about 50 KB per rank and step for the quickstart model).
     overrides["tracing"] = False
     cfg = cfg.replace(**overrides)
-    given = [f"--{flag.replace('_', '-')}" for flag in ("top_k", "moe_aux_loss_coeff", "moe_capacity_factor")
-             if getattr(args, flag) is not None]
+    given = [_flag(flag, getattr(args, flag)) for flag in MOE_FLAGS[1:] if getattr(args, flag) is not None]
     if given and not cfg.model.moe:                     # they changed nothing
         raise ValueError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to a mixture of experts, and "
                          f"this model has none: add --experts N")
     return cfg
+
+
+#: The mixture-of-experts flags, ``--experts`` first.
+MOE_FLAGS = ("experts", "top_k", "moe_renormalize", "moe_aux_loss_coeff", "moe_capacity_factor")
+
+
+def _flag(field: str, value) -> str:
+    """The command-line spelling of ``field`` given as ``value`` (``--no-moe-renormalize`` for False)."""
+    return f"--{'no-' if value is False else ''}{field.replace('_', '-')}"
+
+
+def _check_top_1(args, model) -> None:
+    """``--top-k 1`` with renormalised router weights gives every token weight 1 and the router no
+    gradient from the loss: GPTConfig refuses it and names a config field, which a command line has
+    not got; name the flag that fixes it."""
+    top_k = args.top_k if args.top_k is not None else model.top_k
+    renormalize = args.moe_renormalize if args.moe_renormalize is not None else model.moe_renormalize
+    experts = args.experts if args.experts is not None else model.experts
+    if experts and top_k == 1 and renormalize:
+        said = "--top-k 1" if args.top_k is not None else "top_k=1 (the config's)"
+        raise ValueError(f"{said} with renormalised expert weights gives every token weight 1 and the router no "
+                         f"gradient from the loss: add --no-moe-renormalize (Switch Transformer's raw router score)")
 
 
 #: The blocks ``--arch`` selects (the sizes of the config are kept).
