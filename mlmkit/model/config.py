@@ -50,6 +50,13 @@ def _choice(name: str, value: object, options: tuple[str, ...]) -> None:
         raise ValueError(f"GPTConfig: {name}={value!r} is not one of {', '.join(map(repr, options))}")
 
 
+def top_1_refusal(said: str) -> str:
+    """The refusal of top-1 routing with renormalised weights, for a command line (``said``: how the
+    top-1 was given); GPTConfig's own names the field instead of the flag."""
+    return (f"{said} with renormalised expert weights gives every token weight 1 and the router no gradient "
+            f"from the loss: add --no-moe-renormalize (Switch Transformer's raw router score)")
+
+
 @dataclass(frozen=True, kw_only=True)
 class GPTConfig:
     """A decoder-only Transformer: GPT-2 by default, Llama-style with the options below.

@@ -22,7 +22,7 @@ import os
 import sys
 from dataclasses import replace
 
-from mlmkit.model.config import GPTConfig
+from mlmkit.model.config import GPTConfig, top_1_refusal
 from mlmkit.model.presets import PRESETS, preset
 from mlmkit.plan.hardware import GPUS, hardware
 from mlmkit.plan.search import check_request, plan
@@ -76,8 +76,7 @@ def _model(args) -> GPTConfig:
     if experts and shape.get("top_k", model.top_k) == 1 and shape.get("moe_renormalize", model.moe_renormalize):
         # GPTConfig refuses it naming a config field, which a command line has not got
         said = "--top-k 1" if args.top_k is not None else f"{args.model}'s top_k=1"
-        raise ValueError(f"{said} with renormalised expert weights gives every token weight 1 and the router no "
-                         f"gradient from the loss: add --no-moe-renormalize (Switch Transformer's raw router score)")
+        raise ValueError(top_1_refusal(said))
     model = replace(model, **shape) if shape else model
     given = [f"--{'no-' if getattr(args, k) is False else ''}{k.replace('_', '-')}"
              for k in ("top_k", "moe_renormalize") if getattr(args, k) is not None]

@@ -15,6 +15,7 @@ import json
 import os
 import sys
 
+from mlmkit.model.config import top_1_refusal
 from mlmkit.pipeline.schedule import SCHEDULES, V_SCHEDULES
 from mlmkit.train.config import TrainConfig, check_corpus, demo_config
 
@@ -140,8 +141,7 @@ def _check_top_1(args, model) -> None:
     experts = args.experts if args.experts is not None else model.experts
     if experts and top_k == 1 and renormalize:
         said = "--top-k 1" if args.top_k is not None else "top_k=1 (the config's)"
-        raise ValueError(f"{said} with renormalised expert weights gives every token weight 1 and the router no "
-                         f"gradient from the loss: add --no-moe-renormalize (Switch Transformer's raw router score)")
+        raise ValueError(top_1_refusal(said))
 
 
 #: The blocks ``--arch`` selects (the sizes of the config are kept).
