@@ -544,3 +544,46 @@ def test_top_1_routing_from_the_command_line():
     assert _model(_parse(base)).moe_renormalize is True
     table = plan(model, gpus=64, gpu="h100-sxm", global_batch_size=64, top=1)
     assert len(table) == 1 and table.iloc[0].step_time_s > 0
+
+
+def test_local_cpu_plans_only_layouts_mlmkit_runs():
+    # On local-cpu the plan is what mlmkit's trainer will run: interleaved 1F1B there needs layers
+    # divisible by pp x chunks (Megatron-LM's rule, make_schedule's). Planned without that check,
+    # a model of 6 layers on 4 ranks priced pp=2 x chunks=2 and the whole plan stopped with
+    # "chunks=2 does not divide the layers" (62 of 160 small jobs of this kind) instead of leaving it out.
+    from dataclasses import replace
+
+    from mlmkit.train import TrainConfig
+
+    for layers, gpus, interleaved_runs in ((6, 4, False), (5, 2, False), (10, 8, False), (12, 4, True), (8, 4, True)):
+        model = replace(QUICK, layers=layers)
+        table = plan(model, gpus=gpus, gpu=_local(ranks=gpus), global_batch_size=16, top=0)
+        for row in table.itertuples():
+            TrainConfig(model=model, tp=row.tp, pp=row.pp, dp=row.dp, chunks=row.chunks, schedule=row.schedule,
+                        micro_batch_size=row.micro_batch_size, global_batch_size=16, recompute=row.recompute,
+                        zero=row.zero, sequence_parallel=row.tp > 1)       # each row runs as it is
+        interleaved = table[table.schedule == "interleaved-1f1b"]
+        assert (layers % (interleaved.pp * interleaved.chunks) == 0).all(), layers
+        assert (len(interleaved) > 0) == interleaved_runs, (layers, gpus, len(interleaved))
+    # asked for, the layout is refused with mlmkit's reason
+    with pytest.raises(ValueError, match=r"no layout of 4 GPUs runs this job.*chunks=2 does not divide the layers: "
+                                         r"layers=6 is not divisible by stages x chunks = 4"):
+        plan(replace(QUICK, layers=6), gpus=4, gpu=_local(), global_batch_size=16, pp=2, chunks=2,
+             schedule="interleaved-1f1b")
+    # GPU presets price Megatron-LM's uneven pipelines (Llama 3 405B: 126 layers over 16 stages)
+    gpu = plan("llama3-405b", gpus=1024, gpu="h100-sxm", global_batch_size=1024, tp=8, pp=16, top=0)
+    assert (gpu.schedule == "interleaved-1f1b").any()
+
+
+def test_a_model_by_preset_name():
+    # plan and predict take a preset by name, as the command line's --model does
+    by_name = plan("llama3-8b", gpus=8, gpu="h100-sxm", global_batch_size=64, top=3)
+    by_config = plan(preset("llama3-8b"), gpus=8, gpu="h100-sxm", global_batch_size=64, top=3)
+    assert by_name.equals(by_config)
+    assert predict("llama3-8b", GPUS["h100-sxm"], Layout(tp=8), global_batch_size=64) == \
+        predict(preset("llama3-8b"), GPUS["h100-sxm"], Layout(tp=8), global_batch_size=64)
+    with pytest.raises(ValueError, match=r"unknown model preset 'llama-9b'; choose one of gpt3-175b, "):
+        plan("llama-9b", gpus=8, gpu="h100-sxm", global_batch_size=64)
+    with pytest.raises(ValueError, match=r"predict: model=\{'layers': 2\} \(dict\): expected a GPTConfig or the "
+                                         r"name of a preset \(gpt3-175b, "):
+        predict({"layers": 2}, GPUS["h100-sxm"], Layout(), global_batch_size=64)

@@ -19,13 +19,13 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 from mlmkit.model.config import GPTConfig
 from mlmkit.pipeline.schedule import MAX_MICROBATCHES, V_SCHEDULES, make_schedule
 from mlmkit.plan.hardware import Hardware, hardware
 from mlmkit.plan.timing import (MEGATRON_SCHEDULES, Layout, check_ep, check_flash_attention, check_layout_fields,
-                                check_seq_len, divisors, predict)
+                                check_seq_len, divisors, model_config, predict)
 
 __all__ = ["COLUMNS", "check_job", "check_request", "plan", "search_space"]
 
@@ -123,7 +123,11 @@ def search_space(model: GPTConfig, hw: Hardware, *, gpus: int, global_batch_size
                     for sched, v in schedule_options(p):
                         if sched == "interleaved-1f1b" and (m < p or m % p or model.layers < p * v):
                             continue
-                        if sched not in MEGATRON_SCHEDULES and not schedulable(sched, p, m, v):
+                        # mlmkit's own runtime runs (and simulates) the schedule itself: its rules decide
+                        # (interleaved 1F1B there needs layers divisible by pp x chunks; Megatron-LM's
+                        # uneven pipeline layouts are priced on the GPU presets)
+                        if ((sched not in MEGATRON_SCHEDULES or hw.runtime == "mlmkit")
+                                and not schedulable(sched, p, m, v)):
                             continue
                         for rc in options("recompute", ["none", "selective", "full"]):
                             for zero in options("zero", [1, 3] if d * cp > 1 else [1]):
@@ -223,9 +227,10 @@ def _check_constraints(constraints: dict) -> None:
     check_layout_fields(**{k: v for k, v in constraints.items() if v is not None})
 
 
-def plan(model: GPTConfig, *, gpus: int, gpu="h100-sxm", global_batch_size: int, seq_len: Optional[int] = None,
-         flash_attention: bool = True, top: Optional[int] = None, **constraints):
-    """Ranked layouts for training ``model`` on ``gpus`` GPUs of type ``gpu`` (a preset name of
+def plan(model: Union[GPTConfig, str], *, gpus: int, gpu="h100-sxm", global_batch_size: int,
+         seq_len: Optional[int] = None, flash_attention: bool = True, top: Optional[int] = None, **constraints):
+    """Ranked layouts for training ``model`` (a :class:`GPTConfig` or a preset's name, as
+    ``"llama3-70b"``) on ``gpus`` GPUs of type ``gpu`` (a preset name of
     :data:`mlmkit.plan.GPUS` or a :class:`Hardware`), with ``global_batch_size`` sequences of
     ``seq_len`` tokens (default: the model's) per step. ``constraints`` fix any of tp, cp, pp, dp,
     ep, chunks, schedule, micro_batch_size, recompute, zero, sequence_parallel (default on).
@@ -233,6 +238,7 @@ def plan(model: GPTConfig, *, gpus: int, gpu="h100-sxm", global_batch_size: int,
     (0 or None: every layout)."""
     import pandas as pd
 
+    model = model_config(model)
     hw = hardware(gpu)
     check_request(gpus=gpus, global_batch_size=global_batch_size, seq_len=seq_len, top=top, **constraints)
     flash_attention = check_flash_attention(flash_attention, what="plan")

@@ -61,7 +61,7 @@ from __future__ import annotations
 import functools
 import numbers
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Optional, Union
 
 from mlmkit.estimate.flops import forward_flops_per_token, training_flops_per_token
 from mlmkit.estimate.memory import activation_bytes_per_layer, bytes_per_parameter, estimate_memory
@@ -115,6 +115,19 @@ def check_layout_fields(*, what: str = "plan", **fields) -> None:
             raise ValueError(f"{what}: sequence_parallel={value!r} must be True or False")
         elif name not in LAYOUT_FIELDS:
             raise ValueError(f"{what}: unknown field {name!r}; expected some of {', '.join(LAYOUT_FIELDS)}")
+
+
+def model_config(model: object, *, what: str = "plan") -> GPTConfig:
+    """``model`` as a :class:`GPTConfig`: one given, or a preset's by name (``"llama3-70b"``, as
+    ``python -m mlmkit.plan --model`` takes it); anything else is a ValueError naming it."""
+    if isinstance(model, GPTConfig):
+        return model
+    from mlmkit.model.presets import PRESETS, preset
+
+    if isinstance(model, str):
+        return preset(model)
+    raise ValueError(f"{what}: model={model!r} ({type(model).__name__}): expected a GPTConfig or the name of a preset "
+                     f"({', '.join(sorted(PRESETS))})")
 
 
 def check_seq_len(seq_len: object, *, what: str = "plan") -> None:
@@ -382,11 +395,12 @@ def _mlmkit_memory(model: GPTConfig, layout: Layout, *, microbatches: int, preci
     return float(row["parameters"] + row["gradients"] + row["optimizer"]), float(row["activations"])
 
 
-def predict(model: GPTConfig, hw: Hardware, layout: Layout, *, global_batch_size: int,
+def predict(model: Union[GPTConfig, str], hw: Hardware, layout: Layout, *, global_batch_size: int,
             seq_len: Optional[int] = None, flash_attention: bool = True) -> dict:
     """Step time, throughput, FLOP/s, MFU, memory per GPU and the time breakdown of ``layout``
     (module docstring). Raises ``ValueError`` when the layout does not divide the job."""
     L = layout
+    model = model_config(model, what="predict")
     check_seq_len(seq_len, what="predict")
     flash_attention = check_flash_attention(flash_attention, what="predict")
     if hw.runtime == "megatron" and L.schedule not in MEGATRON_SCHEDULES:
