@@ -67,6 +67,7 @@ from mlmkit.estimate.flops import forward_flops_per_token, training_flops_per_to
 from mlmkit.estimate.memory import activation_bytes_per_layer, bytes_per_parameter, estimate_memory
 from mlmkit.estimate.params import local_parameters
 from mlmkit.model.config import GPTConfig
+from mlmkit.model.presets import PRESETS, preset
 from mlmkit.pipeline.schedule import SCHEDULES
 from mlmkit.plan.hardware import GiB, Hardware
 from mlmkit.scalars import plain_bool
@@ -122,8 +123,6 @@ def model_config(model: object, *, what: str = "plan") -> GPTConfig:
     ``python -m mlmkit.plan --model`` takes it); anything else is a ValueError naming it."""
     if isinstance(model, GPTConfig):
         return model
-    from mlmkit.model.presets import PRESETS, preset
-
     if isinstance(model, str):
         return preset(model)
     raise ValueError(f"{what}: model={model!r} ({type(model).__name__}): expected a GPTConfig or the name of a preset "
