@@ -132,6 +132,35 @@ def test_activation_peaks_inside_actions_are_exact():
         assert (table.measured == table.estimated).all(), (name, table[table.measured != table.estimated])
 
 
+# Uneven pipeline stages (layers not divisible by pp x chunks: the first stages take one layer more),
+# where each rank's parameters, activations and messages differ from its peers'.
+UNEVEN = {
+    "gpt2-3-layers-zbh1-bf16-sp": dict(model=GPTConfig(vocab_size=256, seq_len=16, hidden=32, heads=4, layers=3),
+                                       schedule="zb-h1", precision="bf16", sequence_parallel=True, dp=2),
+    "llama-5-layers-dualpipev-full": dict(model=llama_config(seq_len=16, hidden=32, heads=4, kv_heads=2, layers=5,
+                                                             ffn_hidden=64),
+                                          schedule="dualpipev", chunks=2, recompute="full", dp=2),
+    "llama-7-layers-pp4-gpipe-zero1-selective": dict(model=llama_config(seq_len=16, hidden=32, heads=4, kv_heads=2,
+                                                                        layers=7, ffn_hidden=64),
+                                                     tp=1, pp=4, schedule="gpipe", zero1=True, dp=2,
+                                                     recompute="selective"),
+}
+
+
+@pytest.mark.parametrize("name", list(UNEVEN))
+def test_uneven_stages_measured_equal_estimate(name):
+    cfg = TrainConfig(**{"tp": 2, "pp": 2, "micro_batch_size": 1, "global_batch_size": 8, **UNEVEN[name]})
+    assert cfg.model.layers % (cfg.pp * cfg.chunks)            # the stages really are uneven
+    traces = merge_traces(run_ranks(traced_step, world_size=cfg.world_size, args=(cfg.to_dict(),), timeout_s=300))
+    memory = compare_memory(traces["memory"], estimate_train_memory(cfg))
+    assert (memory.measured == memory.estimated).all(), memory[memory.measured != memory.estimated]
+    comm = compare_comm(traces["comm"], estimate_train_comm(cfg))
+    assert (comm.measured == comm.estimated).all(), comm[comm.measured != comm.estimated]
+    # ranks of different stages hold different parameter and activation bytes
+    for kind in ("parameters", "activations"):
+        assert memory[memory.kind == kind].measured.nunique() > 1, kind
+
+
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_flops_per_token_equal_torchs_count(recompute):
     # torch's FlopCounterMode counts every matmul of a forward and backward (recomputed ones too).
