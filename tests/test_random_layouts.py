@@ -1,7 +1,8 @@
 """Random layouts against the serial model: a sweep of the whole configuration space, beside the
 hand-picked parity tests (which each hold a few axes together on purpose).
 
-Each seed draws a model (GPT-2 or Llama blocks, grouped- or multi-query attention, untied or padded
+Each seed draws a model (2 to 8 layers, so pipeline stages are uneven where pp x chunks does not divide
+them; GPT-2 or Llama blocks, grouped- or multi-query attention, untied or padded
 vocabularies, unfused SwiGLU, RoPE, mixtures of experts with their auxiliary losses, shared expert,
 Switch routing, a capacity) and a layout (tp, pp with every schedule and chunk count, dp, cp with
 both splits, ep and expert tp, sequence parallelism, both recomputations, ZeRO 0-3 with prefetch,
@@ -65,7 +66,7 @@ def _seeds() -> list[int]:
 # ------------------------------------------------------------------------------------------ draws
 def _model(rng: random.Random) -> dict:
     m = dict(vocab_size=rng.choice([256, 300]), seq_len=rng.choice([16, 32]), hidden=32, heads=4,
-             layers=rng.choice([2, 4, 8]))
+             layers=rng.choice([2, 3, 4, 5, 6, 8]))
     kind = rng.choice(["gpt2", "llama", "gqa", "mqa", "untied", "swiglu-unfused", "rope", "moe", "moe", "moe-llama"])
     llama = dict(norm="rmsnorm", mlp="swiglu", ffn_hidden=64, position="rope", bias=False, tie_embeddings=False)
     m.update({"llama": {**llama, "kv_heads": 2}, "gqa": dict(kv_heads=2), "mqa": dict(kv_heads=1),
@@ -103,8 +104,8 @@ def _layout(rng: random.Random, model: GPTConfig, *, global_batch_size=None, mic
         t["microbatch_group"] = 2 * pp
     if model.experts:
         t["ep"] = rng.choice([1, 2, 4])
-        if tp > 1 and rng.random() < 0.3:
-            t["expert_tp"] = rng.choice([1, tp])
+        if tp > 1 and rng.random() < 0.5:
+            t["expert_tp"] = tp
         t["zero"] = rng.choice([0, 1])
     else:
         t["zero"] = rng.choice([0, 0, 1, 2, 3])
@@ -258,10 +259,11 @@ def test_the_draws_cover_every_axis():
                      ("tp", c.tp > 1), ("pp", c.pp > 1), ("dp", c.dp > 1), ("cp", c.cp > 1), ("ep", c.ep > 1),
                      ("expert_tp", c.expert_tp > 1), ("sp", c.sequence_parallel), ("experts", c.model.experts > 0),
                      ("capacity", c.model.moe_capacity_factor is not None), ("batch_p2p", c.batch_p2p),
-                     ("prefetch", c.prefetch), ("padded", c.model.padded_vocab(c.tp) != c.model.vocab_size)}
+                     ("prefetch", c.prefetch), ("padded", c.model.padded_vocab(c.tp) != c.model.vocab_size),
+                     ("uneven stages", c.model.layers % (c.pp * c.chunks) != 0)}
     want = ({("schedule", s) for s in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipev")}
             | {("zero", z) for z in range(4)} | {("recompute", r) for r in ("none", "selective", "full")}
             | {(axis, True) for axis in ("tp", "pp", "dp", "cp", "ep", "expert_tp", "sp", "experts", "capacity",
-                                         "padded")}
+                                         "padded", "uneven stages")}
             | {("batch_p2p", v) for v in (None, True, False)} | {("prefetch", 1)})
     assert want <= seen, sorted(want - seen)
