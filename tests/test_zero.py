@@ -209,6 +209,40 @@ def test_a_mixed_precision_checkpoint_resumes_in_fp32_from_its_master_weights(tm
             assert losses == pytest.approx(runs["{}"][1], rel=1e-6), (options, losses)
 
 
+TINY_LR, TINY_STEPS = 5e-6, 4
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_updates_below_bf16_resolution_accumulate_in_the_fp32_masters(zero):
+    # Mixed precision keeps fp32 master weights because an update smaller than half a bf16 step of
+    # the weight rounds away in bf16: without masters such updates never move it. With lr 5e-6 each
+    # AdamW step moves an element by about 5e-6 (its first step by exactly lr), below half a bf16
+    # step for most weights here. After 4 steps the masters must have moved by at least lr in most
+    # of the elements whose whole move is below half a bf16 step of their first value, and every
+    # bf16 weight is its master rounded. A masterless update (the masters rounded to bf16 after every
+    # step) leaves those elements where they were and fails here in every ZeRO stage; the 200-step
+    # run of test_llama catches it only by a margin of 0.3%.
+    cfg = _config(precision="bf16", zero=zero, lr=TINY_LR, min_lr=TINY_LR, warmup_steps=0, weight_decay=0.0,
+                  grad_clip=0.0)
+    trainer = Trainer(cfg, groups=ProcessGroups.single())
+    before = {n: s["master"] for n, s in trainer.optimizer.state_by_name()[0].items()}
+    for _ in range(TINY_STEPS):
+        trainer.train_step()
+    after = {n: s["master"] for n, s in trainer.optimizer.state_by_name()[0].items()}
+    with trainer.full_parameters():
+        now = {n: p.detach().clone() for n, p in trainer.named_parameters()}
+    assert set(after) == set(now) and len(after) >= 4 * GPT2.layers
+    for n in after:
+        assert after[n].dtype == torch.float32 and torch.equal(now[n], after[n].to(torch.bfloat16)), n
+    for n in (n for n in after if after[n].dim() == 2):
+        start = before[n].to(torch.bfloat16).float()
+        half_step = torch.ldexp(torch.ones_like(start), torch.frexp(start).exponent - 9)     # half a bf16 step
+        moved = (after[n] - before[n]).abs()
+        below = moved[(moved < half_step) & (start != 0)]
+        assert below.numel() > moved.numel() // 4, (n, below.numel(), moved.numel())    # the regime is exercised
+        assert below.median() >= TINY_LR, (n, below.median())                         # and the masters kept it
+
+
 def test_parameters_are_freed_between_steps_and_whole_on_demand():
     cfg = _config(zero=3, dp=1)
     trainer = Trainer(cfg, groups=ProcessGroups.single())
