@@ -50,8 +50,12 @@ def serial_losses(cfg: TrainConfig, steps: int) -> list[float]:
 def serial_metrics(cfg: TrainConfig, steps: int) -> tuple[list[float], list[float]]:
     """The reference's losses and gradient norms (before clipping, as torch's clip_grad_norm_ returns)."""
     model = GPT(cfg.model)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.0, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                            weight_decay=cfg.weight_decay)
+    # Megatron-LM's parameter groups: no weight decay on biases and one-dimensional weights (norm gains)
+    no_decay = [p for n, p in model.named_parameters() if n.endswith(".bias") or p.dim() == 1]
+    decay = [p for n, p in model.named_parameters() if not (n.endswith(".bias") or p.dim() == 1)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=0.0, betas=(cfg.beta1, cfg.beta2),
+                            eps=cfg.eps)
     data = MaskedData(TextData(seq_len=cfg.model.seq_len, seed=cfg.seed))
     losses, norms = [], []
     for step in range(steps):

@@ -243,6 +243,56 @@ def test_updates_below_bf16_resolution_accumulate_in_the_fp32_masters(zero):
         assert below.median() >= TINY_LR, (n, below.median())                         # and the masters kept it
 
 
+def _masters(trainer) -> dict:
+    """The weights the optimizer updates, fp32, by name: the masters under bf16, else the parameters."""
+    if trainer.config.precision == "bf16":
+        return {n: s["master"] for n, s in trainer.optimizer.state_by_name()[0].items()}
+    with trainer.full_parameters():
+        return {n: p.detach().float().clone() for n, p in trainer.named_parameters()}
+
+
+def _one_step_with_and_without_decay(rank, world_size, options, lr, wd):
+    """(weights before, {decay: weights after one step}, shapes by name) on this rank (see below)."""
+    after = {}
+    for decay in (wd, 0.0):
+        cfg = _config(lr=lr, min_lr=lr, warmup_steps=0, weight_decay=decay, **options)
+        trainer = Trainer(cfg, groups=ProcessGroups.build(cfg.topology) if world_size > 1 else ProcessGroups.single())
+        before = _masters(trainer)
+        trainer.train_step()
+        after[decay] = _masters(trainer)
+    return before, after, {n: p.shape for n, p in trainer.named_parameters()}
+
+
+DECAY_CASES = {"fp32": dict(), "zero1": dict(zero=1), "zero2": dict(zero=2), "zero3": dict(zero=3),
+               "bf16": dict(precision="bf16"), "bf16-zero1": dict(zero=1, precision="bf16"),
+               "bf16-zero3": dict(zero=3, precision="bf16"),
+               # shards of two replicas: their cuts fall inside parameters
+               "dp2": dict(dp=2), "dp2-zero1": dict(dp=2, zero=1), "dp2-zero2": dict(dp=2, zero=2),
+               "dp2-zero3": dict(dp=2, zero=3), "dp2-bf16-zero1": dict(dp=2, zero=1, precision="bf16")}
+
+
+@pytest.mark.parametrize("case", list(DECAY_CASES))
+def test_weight_decay_spares_biases_and_norm_gains(case):
+    # Megatron-LM's default parameter groups: decay on matrices and embeddings, none on biases and
+    # one-dimensional weights. Decoupled decay is w <- w (1 - lr wd) before the Adam update, so one
+    # step with decay minus the same step without is -lr wd w0 on the decayed weights and nothing on
+    # the others. Every optimizer (replicated, ZeRO-1/2/3 flat shards holding both kinds, the fp32
+    # masters under bf16) used to decay every parameter.
+    lr, wd, options = 1e-2, 0.1, DECAY_CASES[case]
+    dp = options.get("dp", 1)
+    args = (options, lr, wd)
+    before, after, shapes = (run_ranks(_one_step_with_and_without_decay, world_size=dp, args=args, timeout_s=300)[0]
+                             if dp > 1 else _one_step_with_and_without_decay(0, 1, *args))
+    spared = {n for n in after[wd] if n.endswith(".bias") or len(shapes[n]) == 1}
+    assert spared and len(spared) < len(after[wd])
+    for n in after[wd]:
+        if n in spared:
+            assert torch.equal(after[wd][n], after[0.0][n]), n
+        else:
+            torch.testing.assert_close(after[wd][n] - after[0.0][n], -lr * wd * before[n], rtol=1e-3, atol=1e-9,
+                                       msg=n)
+
+
 def test_parameters_are_freed_between_steps_and_whole_on_demand():
     cfg = _config(zero=3, dp=1)
     trainer = Trainer(cfg, groups=ProcessGroups.single())

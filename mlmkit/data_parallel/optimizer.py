@@ -4,7 +4,12 @@ layer) are in :mod:`mlmkit.data_parallel.zero`; :func:`make_optimizer` picks by 
 
 Both optimizers do, in :meth:`step`: average gradients over the dp group, clip to a global norm
 counted once per element (:mod:`mlmkit.data_parallel.grads`), then an AdamW update
-(Loshchilov & Hutter 2019; weight decay on every parameter).
+(Loshchilov & Hutter 2019). Weight decay, as Megatron-LM's default, applies to the matrices and
+embeddings and not to biases and one-dimensional weights (the norms' gains): :func:`decayed`.
+The optimizers apply it themselves, ``w <- w (1 - lr wd)`` on the decayed elements before torch's
+AdamW (run with ``weight_decay=0``) makes its update: the same operation AdamW does first, so the
+numbers are AdamW's, and a flat ZeRO shard, which holds parameters of both kinds, decays only its
+stretches of decayed parameters.
 
 - :class:`ReplicatedAdamW`: every dp rank all-reduces gradients (in buckets) and keeps the full
   optimizer state.
@@ -49,9 +54,16 @@ from mlmkit.data_parallel.grads import allreduce_gradients, counted_once, counte
 from mlmkit.distributed import CommGroup, ProcessGroups
 from mlmkit.tensor_parallel.layers import param_grad
 
-__all__ = ["MultiOptimizer", "ReplicatedAdamW", "ShardedAdamW", "make_optimizer"]
+__all__ = ["MultiOptimizer", "ReplicatedAdamW", "ShardedAdamW", "decayed", "make_optimizer"]
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def decayed(name: str, param) -> bool:
+    """Whether weight decay applies to this parameter: Megatron-LM's default rule (its optimizer's
+    parameter groups), none for biases and one-dimensional weights (norm gains), decay for the rest
+    (linear weights, the router, word and position embeddings)."""
+    return not (name == "bias" or name.endswith(".bias") or len(param.shape) == 1)
 
 
 class _Base:
@@ -86,7 +98,10 @@ class _Base:
         self.divisor = self.reduce.size if divisor is None else divisor
         self.counted = counted or (lambda p: counted_once(p, groups))
         self.label = label
-        self.hyper = dict(betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        # torch's AdamW runs without decay: each optimizer applies it to the decayed elements itself
+        self.hyper = dict(betas=tuple(betas), eps=eps, weight_decay=0.0)
+        self.weight_decay = weight_decay
+        self.decayed_ids = {id(p) for n, p in self.named if decayed(n, p)}
         self.max_grad_norm = max_grad_norm
         self.grad_reduce_dtype = grad_reduce_dtype
         self.last_grad_norm: float = float("nan")
@@ -135,6 +150,20 @@ def counted_spans(params, counted, start: int, size: int) -> list[tuple[int, int
                 spans.append((a - start, b - start))
         offset += p.numel()
     return spans
+
+
+def decay_factor(lr: float, weight_decay: float) -> Optional[float]:
+    """AdamW's decoupled decay of one step, ``1 - lr * weight_decay`` (None: nothing to do)."""
+    return 1 - lr * weight_decay if weight_decay != 0 and lr != 0 else None
+
+
+def apply_decay(flat: torch.Tensor, spans: list[tuple[int, int]], lr: float, weight_decay: float) -> None:
+    """Decay the stretches ``spans`` of a flat fp32 shard in place (see :func:`decay_factor`)."""
+    factor = decay_factor(lr, weight_decay)
+    if factor is not None:
+        with torch.no_grad():
+            for a, b in spans:
+                flat[a:b].mul_(factor)
 
 
 def flatten_padded(tensors, size: int) -> torch.Tensor:
@@ -201,6 +230,8 @@ class ReplicatedAdamW(_Base):
         # Mixed precision: fp32 master weights; fp32: the parameters are their own master.
         self.master = [p.detach().float().clone() for p in self.params] if self.mixed else None
         self.opt = torch.optim.AdamW(self.master if self.mixed else self.params, lr=0.0, **self.hyper)
+        self.decay_targets = [t for t, p in zip(self.master if self.mixed else self.params, self.params)
+                              if id(p) in self.decayed_ids]
 
     def reduce_grads(self) -> None:
         allreduce_gradients(self.params, self.reduce, bucket_bytes=self.bucket_bytes,
@@ -220,6 +251,10 @@ class ReplicatedAdamW(_Base):
                 torch._foreach_mul_(grads, coef)
         for g in self.opt.param_groups:
             g["lr"] = lr
+        factor = decay_factor(lr, self.weight_decay)
+        if factor is not None and self.decay_targets:
+            with torch.no_grad():
+                torch._foreach_mul_(self.decay_targets, factor)
         if self.mixed:
             for m, p in zip(self.master, self.params):
                 m.grad = param_grad(p)
@@ -281,6 +316,8 @@ class ShardedAdamW(_Base):
         self.shard = nn.Parameter(flat[self.start:self.start + self.shard_size].clone())   # fp32 master shard
         # the stretches of the shard whose elements count towards the global gradient norm
         self.counted_spans = counted_spans(self.params, self.counted, self.start, self.shard_size)
+        # ... and those that weight decay applies to
+        self.decay_spans = counted_spans(self.params, lambda p: id(p) in self.decayed_ids, self.start, self.shard_size)
         self.opt = torch.optim.AdamW([self.shard], lr=0.0, **self.hyper)
 
     def _own_slice(self) -> torch.Tensor:
@@ -322,6 +359,7 @@ class ShardedAdamW(_Base):
         self._shard_grad = None
         for g in self.opt.param_groups:
             g["lr"] = lr
+        apply_decay(self.shard, self.decay_spans, lr, self.weight_decay)
         self.opt.step()
         self.shard.grad = None
         # The updated weights travel in the parameters' own dtype (bf16 under mixed precision).

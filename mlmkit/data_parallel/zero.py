@@ -57,8 +57,8 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from mlmkit.data_parallel.optimizer import (_STATE_KEYS, _Base, copy_flat_into, counted_spans, flatten_padded,
-                                            shard_sumsq, take_written)
+from mlmkit.data_parallel.optimizer import (_STATE_KEYS, _Base, apply_decay, copy_flat_into, counted_spans,
+                                            flatten_padded, shard_sumsq, take_written)
 from mlmkit.distributed import CommGroup
 from mlmkit.tensor_parallel.layers import param_grad
 
@@ -235,6 +235,9 @@ class FullyShardedAdamW(_Base):
         self.units = [ShardedUnit(name, ps, self.reduce, stage=stage, counted=self.counted, module=module)
                       for name, _, ps, module in units]
         self.opt = torch.optim.AdamW([u.master for u in self.units], lr=0.0, **self.hyper)
+        # the stretches of each unit's shard that weight decay applies to (optimizer.decayed)
+        self.decay_spans = [counted_spans(u.params, lambda p: id(p) in self.decayed_ids, u.start, u.shard_size)
+                            for u in self.units]
         if stage == 3:
             for u in self.units:
                 u.free()
@@ -271,6 +274,8 @@ class FullyShardedAdamW(_Base):
             u.shard_grad = None
         for g in self.opt.param_groups:
             g["lr"] = lr
+        for u, spans in zip(self.units, self.decay_spans):
+            apply_decay(u.master, spans, lr, self.weight_decay)
         self.opt.step()
         for u in self.units:
             u.master.grad = None

@@ -105,7 +105,8 @@ class TrainConfig:
     max_steps: int = 50
     """Steps of the cosine schedule (training may stop earlier)."""
     weight_decay: float = 0.0
-    """AdamW weight decay (applied to every parameter)."""
+    """AdamW weight decay, on the matrices and embeddings, not on biases and norm gains (Megatron-LM's
+    default: :func:`mlmkit.data_parallel.optimizer.decayed`)."""
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
