@@ -135,14 +135,14 @@ def _train(rank, world_size, cfg_dict):
     for g in grads.values():          # each cp (and dp) rank holds its tokens' part: average as the optimizer does
         groups.dp_cp.all_reduce(g, site="test")
         g.div_(groups.dp_cp.size)
-    losses = [trainer.finish_step()["loss"]]
-    losses += [trainer.train_step()["loss"] for _ in range(STEPS - 1)]
+    rows = [trainer.finish_step()] + [trainer.train_step() for _ in range(STEPS - 1)]
+    losses, norms = [r["loss"] for r in rows], [r["grad_norm"] for r in rows]
     params = {}
     for chunk in trainer.chunks:
         params.update(gather_full(chunk))
     c = groups.coords
     keep = c.tp == 0 and c.dp == 0 and c.cp == 0
-    return {"losses": losses, "grads": grads if keep else {}, "params": params if keep else {}}
+    return {"losses": losses, "norms": norms, "grads": grads if keep else {}, "params": params if keep else {}}
 
 
 _SERIAL = {}
@@ -173,6 +173,11 @@ def test_context_parallel_layout_matches_serial(layout):
         for got, want in zip(r["losses"], ref["losses"]):
             tol = FP32_TOL * abs(want) if precision == "fp32" else BF16_LOSS_RTOL * abs(want)
             assert abs(got - want) <= tol, (layout, r["losses"], ref["losses"])
+        # The global gradient norm (reported, and what clipping scales by): the cp replicas hold one
+        # reduced gradient, counted once (dividing by dp alone gave the serial norm times sqrt(cp)).
+        for got, want in zip(r["norms"], ref["norms"]):
+            tol = FP32_TOL * abs(want) if precision == "fp32" else BF16_LOSS_RTOL * abs(want)
+            assert abs(got - want) <= tol, (layout, "grad norm", r["norms"], ref["norms"])
     for kind in ("grads", "params"):
         merged = {}
         for r in results:

@@ -1,11 +1,13 @@
-"""Data-parallel gradient averaging in buckets, and global gradient-norm clipping across tp, pp, dp.
+"""Data-parallel gradient averaging in buckets, and which copies count towards the global gradient norm.
 
 After backward, every model replica (dp rank) holds gradients of its own slice of the batch. They
 are averaged over the dp group with all-reduces of flat *buckets* of gradients (at most
 ``bucket_bytes`` each, parameters in reverse order as Megatron-LM and DDP do, so a bucket holds
 neighbouring layers). Fewer, larger messages pay the per-message latency less often.
 
-Gradient-norm clipping must count every parameter element exactly once in the whole job:
+Gradient-norm clipping must count every parameter element exactly once in the whole job (the
+optimizers of :mod:`mlmkit.data_parallel.optimizer` and :mod:`~mlmkit.data_parallel.zero` sum
+their shares with these rules, then clip):
 
 - a TP-split parameter: each TP rank holds a distinct slice, all counted;
 - a replicated parameter (LayerNorm, row-parallel bias, position embedding): counted on TP rank 0 only;
@@ -13,15 +15,14 @@ Gradient-norm clipping must count every parameter element exactly once in the wh
 - the last stage's copy of a tied word embedding: not counted (the first stage's is), whether
   it sits on another pipeline rank or, as a later model chunk, on the same one (``pp = 1`` with
   ``chunks > 1``);
-- data-parallel replicas hold identical (averaged) gradients: counted once (the sum over the world
-  is divided by dp);
+- data-parallel and context-parallel replicas hold identical (averaged) gradients: counted once
+  (each share is divided by their number, dp x cp);
 - an expert's parameters: split over expert-tp ranks (or counted on the first), held identically by
   its expert-dp replicas (divided by their number).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -30,7 +31,7 @@ from torch import nn
 from mlmkit.distributed import CommGroup, ProcessGroups
 from mlmkit.tensor_parallel.layers import param_grad
 
-__all__ = ["allreduce_gradients", "bucketize", "clip_grad_norm", "counted_once", "counted_once_expert"]
+__all__ = ["allreduce_gradients", "bucketize", "counted_once", "counted_once_expert"]
 
 
 def bucketize(params: Sequence[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
@@ -123,32 +124,3 @@ def counted_once_expert(param: nn.Parameter, groups: ProcessGroups) -> bool:
     """An expert parameter counts on every expert-tp rank when split over them, else on the first;
     its expert-dp replicas hold identical (reduced) gradients and are counted once by dividing."""
     return getattr(param, "tp_split_dim", None) is not None or groups.expert_tp.rank == 0
-
-
-def clip_grad_norm(params: Sequence[nn.Parameter], groups: ProcessGroups, *, max_norm: float,
-                   local_sumsq: torch.Tensor | None = None) -> float:
-    """Clip gradients in place to a global L2 norm of ``max_norm``; return the norm before clipping.
-
-    Collective over the world. ``local_sumsq`` lets a sharded optimizer pass its own sum of squares
-    (already counted once per element across dp); otherwise it is computed from ``params`` and the
-    world sum is divided by dp, since replicas hold identical gradients.
-    Same rule as ``torch.nn.utils.clip_grad_norm_``: scale by ``max_norm / (norm + 1e-6)`` if < 1.
-    ``max_norm=0`` switches clipping off (the norm is still computed and returned).
-    """
-    if local_sumsq is None:
-        grads = [param_grad(p).detach() for p in params if param_grad(p) is not None and counted_once(p, groups)]
-        norms = torch._foreach_norm(grads) if grads else []          # one fp32 norm per tensor
-        sq = torch.stack(norms).double().pow(2).sum() if grads else torch.zeros((), dtype=torch.float64,
-                                                                                  device=groups.device)
-        groups.world.all_reduce(sq, site="grad_norm")
-        total = sq / groups.dp_cp.size      # replicas (dp x cp) hold identical gradients
-    else:
-        total = local_sumsq.double().clone()
-        groups.world.all_reduce(total, site="grad_norm")
-    norm = math.sqrt(float(total))
-    coef = max_norm / (norm + 1e-6)
-    if max_norm > 0 and coef < 1.0:
-        grads = [param_grad(p) for p in params if param_grad(p) is not None]
-        if grads:
-            torch._foreach_mul_(grads, coef)
-    return norm
