@@ -924,6 +924,26 @@ def test_fit_past_max_steps_or_with_negative_steps_is_refused():
     assert [lr_at(s, lr=1.0, min_lr=0.1, warmup_steps=5, max_steps=2) for s in (0, 1)] == [0.2, 0.4]
 
 
+def test_lr_schedule_is_megatrons_cosine_with_the_warmup_one_step_earlier():
+    # Megatron-LM's OptimizerParamScheduler, as its training loop drives it: the rate of update s
+    # (0-based) is get_lr() at num_steps = s * global_batch (it steps after each update, counting
+    # samples), init_lr = 0. mlmkit's decay must be that one; its warm-up runs one step earlier.
+    def megatron(s, *, lr, min_lr, warmup, decay, gbs=8):
+        n, w, d = s * gbs, warmup * gbs, decay * gbs
+        if w > 0 and n <= w:
+            return lr * n / w
+        if n > d:
+            return min_lr
+        return min_lr + 0.5 * (lr - min_lr) * (math.cos(math.pi * (n - w) / (d - w)) + 1.0)
+
+    for warmup, decay in ((0, 7), (1, 5), (3, 10), (4, 5)):
+        kw = dict(lr=3e-3, min_lr=3e-4)
+        ours = [lr_at(s, warmup_steps=warmup, max_steps=decay, **kw) for s in range(decay + 3)]
+        theirs = [megatron(s, warmup=warmup, decay=decay, **kw) for s in range(decay + 3)]
+        assert ours[warmup:] == pytest.approx(theirs[warmup:], rel=1e-12, abs=0), (warmup, decay)
+        assert ours[:warmup] == pytest.approx(theirs[1:warmup + 1], rel=1e-12), (warmup, decay)
+
+
 def test_global_batch_not_divisible():
     with pytest.raises(ValueError, match=r"global_batch_size=10 is not divisible by micro_batch_size x dp = 2 x 2 = 4"):
         BASE.replace(dp=2, global_batch_size=10)
