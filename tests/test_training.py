@@ -725,9 +725,20 @@ def test_bad_train_configs_are_named(change, needle):
                                            "expert weights gives every token weight 1 and the router no gradient "
                                            "from the loss: add --no-moe-renormalize"),
                                           (["--experts", "4", "--top-k", "1", "--moe-renormalize"], "add "
-                                           "--no-moe-renormalize")])
+                                           "--no-moe-renormalize"),
+                                          # started as one process: the message gives the launch command
+                                          ([], "run it as torchrun --nproc-per-node 4 -m mlmkit.train ..., or "
+                                           "add --tp 1 --pp 1 --dp 1 --cp 1"),
+                                          (["--pp", "1", "--dp", "4"], "world size 1 does not match "
+                                           "Topology(tp=2, pp=1, dp=4)"),
+                                          (["--pp", "1", "--dp", "4"], "torchrun --nproc-per-node 8 ")])
 def test_bad_cli_flags_fail_before_any_process_group(flags, needle):
-    out = subprocess.run([sys.executable, "-m", "mlmkit.train", *flags], capture_output=True, text=True, timeout=60)
+    # as a user's shell starts it: no launcher's variables (the suite may itself run under srun)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                                        "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    out = subprocess.run([sys.executable, "-m", "mlmkit.train", *flags], capture_output=True, text=True, timeout=60,
+                         env=env)
     assert out.returncode != 0 and needle in out.stderr, out.stderr[-2000:]
 
 

@@ -223,7 +223,8 @@ def main(argv=None) -> int:
         how = {"torchrun": "torchrun --nproc-per-node", "slurm": "sbatch/srun --ntasks"}.get(job.launcher)
         raise SystemExit(f"python -m mlmkit.train: {err}" + (
             f" (started by {job.launcher}: set {how} to {cfg.topology.world_size})" if how else
-            " (without torchrun or srun there is 1 process: add --tp 1 --pp 1 --dp 1 --cp 1)")) from None
+            f" (without torchrun or srun there is 1 process: run it as torchrun --nproc-per-node "
+            f"{cfg.topology.world_size} -m mlmkit.train ..., or add --tp 1 --pp 1 --dp 1 --cp 1)")) from None
     if job.launcher == "none" or world == 1 and job.master_addr is None:
         groups = ProcessGroups.single()
     else:
