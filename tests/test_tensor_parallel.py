@@ -116,6 +116,70 @@ def test_vocab_parallel_cross_entropy(tp):
         assert (grad - ref_grad.chunk(tp, dim=-1)[rank]).abs().max().item() <= 1e-6
 
 
+def _operators(rank, world_size):
+    """Each TP operator's forward and input gradient on this rank. Inputs and upstream gradients are
+    seeded per rank (``x_r``, ``G_r``) or shared (``X``, ``C``) so the driver can rebuild them."""
+    from mlmkit.tensor_parallel import (copy_to_tp, gather_from_sequence, gather_from_tp, reduce_from_tp,
+                                        reduce_scatter_to_sequence, scatter_to_sequence, scatter_to_tp)
+    groups = ProcessGroups.build(Topology(tp=world_size))
+    tp, t = groups.tp, world_size
+    out = {}
+    for name, op, shape_in, shape_up in [
+        ("copy_to_tp", copy_to_tp, (4, 2, 8), (4, 2, 8)),
+        ("reduce_from_tp", reduce_from_tp, (4, 2, 8), (4, 2, 8)),
+        ("scatter_to_tp", scatter_to_tp, (4, 2, 8), (4, 2, 8 // t)),
+        ("gather_from_tp", gather_from_tp, (4, 2, 8 // t), (4, 2, 8)),
+        ("scatter_to_sequence", scatter_to_sequence, (8, 2, 4), (8 // t, 2, 4)),
+        ("gather_from_sequence", gather_from_sequence, (8 // t, 2, 4), (8, 2, 4)),
+        ("reduce_scatter_to_sequence", reduce_scatter_to_sequence, (8, 2, 4), (8 // t, 2, 4)),
+    ]:
+        x = _operand(name, "x", rank, shape_in).requires_grad_(True)
+        y = op(x * 1.0, tp, site="test")        # x * 1.0: reduce_from_tp works in place on a fresh tensor
+        y.backward(_operand(name, "g", rank, shape_up))
+        out[name] = (y.detach(), x.grad)
+    return out
+
+
+def _operand(name, kind, rank, shape):
+    # An operator whose forward input is replicated (copy, the scatters) gets the same x on every
+    # rank; an upstream gradient the next op would see replicated (scatter_to_*, gather_from_tp's
+    # output: the same loss everywhere) gets the same G on every rank; the rest differ by rank.
+    replicated = {("copy_to_tp", "x"), ("scatter_to_tp", "x"), ("scatter_to_sequence", "x"),
+                  ("gather_from_tp", "g"), ("reduce_from_tp", "g")}
+    seed = 1000 * len(name) + (0 if (name, kind) in replicated else rank + 1) + (500 if kind == "g" else 0)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_tensor_parallel_operators_forward_and_backward(t):
+    # The f, g and sequence-parallel operators one by one, against their definitions (Shoeybi et al.
+    # 2019, fig. 3; Korthikanti et al. 2022, sec. 4.2.2). scatter_to_tp and scatter_to_sequence are
+    # used by no layer, so nothing else checks them.
+    results = run_ranks(_operators, world_size=t)
+    x = {n: [_operand(n, "x", r, results[r][n][1].shape) for r in range(t)] for n in results[0]}
+
+    def g(name, r):
+        return _operand(name, "g", r, results[r][name][0].shape)
+
+    for r, res in enumerate(results):
+        expect = {
+            "copy_to_tp": (x["copy_to_tp"][r], sum(g("copy_to_tp", q) for q in range(t))),
+            "reduce_from_tp": (sum(x["reduce_from_tp"]), g("reduce_from_tp", r)),
+            "scatter_to_tp": (x["scatter_to_tp"][r].chunk(t, -1)[r], torch.cat([g("scatter_to_tp", q) for q in range(t)], -1)),
+            "gather_from_tp": (torch.cat(x["gather_from_tp"], -1), g("gather_from_tp", r).chunk(t, -1)[r]),
+            "scatter_to_sequence": (x["scatter_to_sequence"][r].chunk(t, 0)[r],
+                                    torch.cat([g("scatter_to_sequence", q) for q in range(t)], 0)),
+            "gather_from_sequence": (torch.cat(x["gather_from_sequence"], 0),
+                                     sum(g("gather_from_sequence", q) for q in range(t)).chunk(t, 0)[r]),
+            "reduce_scatter_to_sequence": (sum(x["reduce_scatter_to_sequence"]).chunk(t, 0)[r],
+                                           torch.cat([g("reduce_scatter_to_sequence", q) for q in range(t)], 0)),
+        }
+        for name, (y, dx) in expect.items():
+            got_y, got_dx = res[name]
+            assert got_y.shape == y.shape and (got_y - y).abs().max().item() <= 1e-6, (t, r, name, "forward")
+            assert got_dx.shape == dx.shape and (got_dx - dx).abs().max().item() <= 1e-6, (t, r, name, "backward")
+
+
 def _dropout_streams(rank, world_size):
     groups = ProcessGroups.build(Topology(tp=2))
     rng = TPRandomState(seed=7, tp_rank=groups.tp.rank)
