@@ -268,7 +268,11 @@ DECAY_CASES = {"fp32": dict(), "zero1": dict(zero=1), "zero2": dict(zero=2), "ze
                "bf16-zero3": dict(zero=3, precision="bf16"),
                # shards of two replicas: their cuts fall inside parameters
                "dp2": dict(dp=2), "dp2-zero1": dict(dp=2, zero=1), "dp2-zero2": dict(dp=2, zero=2),
-               "dp2-zero3": dict(dp=2, zero=3), "dp2-bf16-zero1": dict(dp=2, zero=1, precision="bf16")}
+               "dp2-zero3": dict(dp=2, zero=3), "dp2-bf16-zero1": dict(dp=2, zero=1, precision="bf16"),
+               "dp2-bf16-zero3": dict(dp=2, zero=3, precision="bf16"),
+               # tp shards (row-parallel biases and norm gains replicated over tp), pipeline stages
+               "tp2-sp-dp2-zero2": dict(tp=2, sequence_parallel=True, dp=2, zero=2),
+               "tp2-pp2-zbh1": dict(tp=2, pp=2, schedule="zb-h1")}
 
 
 @pytest.mark.parametrize("case", list(DECAY_CASES))
@@ -279,18 +283,19 @@ def test_weight_decay_spares_biases_and_norm_gains(case):
     # the others. Every optimizer (replicated, ZeRO-1/2/3 flat shards holding both kinds, the fp32
     # masters under bf16) used to decay every parameter.
     lr, wd, options = 1e-2, 0.1, DECAY_CASES[case]
-    dp = options.get("dp", 1)
+    world = options.get("dp", 1) * options.get("tp", 1) * options.get("pp", 1)
     args = (options, lr, wd)
-    before, after, shapes = (run_ranks(_one_step_with_and_without_decay, world_size=dp, args=args, timeout_s=300)[0]
-                             if dp > 1 else _one_step_with_and_without_decay(0, 1, *args))
-    spared = {n for n in after[wd] if n.endswith(".bias") or len(shapes[n]) == 1}
-    assert spared and len(spared) < len(after[wd])
-    for n in after[wd]:
-        if n in spared:
-            assert torch.equal(after[wd][n], after[0.0][n]), n
-        else:
-            torch.testing.assert_close(after[wd][n] - after[0.0][n], -lr * wd * before[n], rtol=1e-3, atol=1e-9,
-                                       msg=n)
+    ranks = (run_ranks(_one_step_with_and_without_decay, world_size=world, args=args, timeout_s=300)
+             if world > 1 else [_one_step_with_and_without_decay(0, 1, *args)])
+    for rank, (before, after, shapes) in enumerate(ranks):       # each rank's own shards and stages
+        spared = {n for n in after[wd] if n.endswith(".bias") or len(shapes[n]) == 1}
+        assert spared and len(spared) < len(after[wd]), rank
+        for n in after[wd]:
+            if n in spared:
+                assert torch.equal(after[wd][n], after[0.0][n]), (rank, n)
+            else:
+                torch.testing.assert_close(after[wd][n] - after[0.0][n], -lr * wd * before[n], rtol=1e-3, atol=1e-9,
+                                           msg=f"rank {rank}: {n}")
 
 
 def test_parameters_are_freed_between_steps_and_whole_on_demand():
