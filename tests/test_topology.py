@@ -190,3 +190,34 @@ def test_expert_grid_folds_dense_ranks():
     # No ep at all fits: the message names what would (it said "choose ep in []").
     with pytest.raises(ValueError, match=r"No ep fits expert_tp=2: make tp x cp x dp a multiple of 2 \(e.g. dp=2\)"):
         Topology(expert_tp=2)
+
+
+def test_the_readme_tour_returns_what_its_comments_say():
+    # README's tour shows values in comments ("topo.groups('tp')  # [[0, 1], ...]"); the pure lines
+    # (before the cluster) are run here and each shown value compared, so the README stays true.
+    import math
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = re.search(r"## A tour of the library\s+```python\n(.*?)```", text, re.S).group(1)
+    pure = block.split("from mlmkit.cluster")[0]
+    scope, checked = {}, 0
+    for line in pure.splitlines():
+        code, _, comment = line.partition("  #")
+        code, comment = code.strip(), comment.strip()
+        if not code:
+            continue
+        head = re.split(r":| = | \(", comment, maxsplit=1)[0].strip() if comment else ""
+        try:
+            shown = eval(head, {"__builtins__": {}}) if head else None
+        except (SyntaxError, NameError):
+            shown = None
+        if shown is None or code.startswith(("from ", "import ")) or "=" in code.split("(")[0]:
+            exec(code, scope)
+            continue
+        value = eval(code, scope)
+        assert (math.isclose(value, shown, rel_tol=1e-12) if isinstance(shown, float) else value == shown), \
+            (code, value, comment)
+        checked += 1
+    assert checked == 3, checked
