@@ -283,7 +283,7 @@ def test_weight_decay_spares_biases_and_norm_gains(case):
     # the others. Every optimizer (replicated, ZeRO-1/2/3 flat shards holding both kinds, the fp32
     # masters under bf16) used to decay every parameter.
     lr, wd, options = 1e-2, 0.1, DECAY_CASES[case]
-    world = options.get("dp", 1) * options.get("tp", 1) * options.get("pp", 1)
+    world = _config(**options).world_size
     args = (options, lr, wd)
     ranks = (run_ranks(_one_step_with_and_without_decay, world_size=world, args=args, timeout_s=300)
              if world > 1 else [_one_step_with_and_without_decay(0, 1, *args)])

@@ -138,8 +138,9 @@ class _Base:
 
 def counted_spans(params, counted, start: int, size: int) -> list[tuple[int, int]]:
     """``[(a, b), ...]``: the stretches ``[a, b)`` of the shard ``[start, start + size)`` of the
-    flattened ``params`` whose elements count towards the global gradient norm (padding never
-    does). Spans, not a mask: no memory the size of the shard."""
+    flattened ``params`` that hold parameters for which ``counted(p)`` holds (those counted towards
+    the global gradient norm, or those weight decay applies to; padding never). Spans, not a mask:
+    no memory the size of the shard."""
     spans, offset = [], 0
     for p in params:
         a, b = max(offset, start), min(offset + p.numel(), start + size)
@@ -160,10 +161,9 @@ def decay_factor(lr: float, weight_decay: float) -> Optional[float]:
 def apply_decay(flat: torch.Tensor, spans: list[tuple[int, int]], lr: float, weight_decay: float) -> None:
     """Decay the stretches ``spans`` of a flat fp32 shard in place (see :func:`decay_factor`)."""
     factor = decay_factor(lr, weight_decay)
-    if factor is not None:
+    if factor is not None and spans:
         with torch.no_grad():
-            for a, b in spans:
-                flat[a:b].mul_(factor)
+            torch._foreach_mul_([flat[a:b] for a, b in spans], factor)
 
 
 def flatten_padded(tensors, size: int) -> torch.Tensor:
