@@ -563,6 +563,23 @@ def test_a_step_is_begun_once_and_finished_once():
     assert [trainer.train_step()["loss"] for _ in range(2)] == expected[1:]
 
 
+def test_resuming_restores_torch_global_random_state(tmp_path):
+    # Code around a run (a notebook's own noise, a user's sampler) draws from torch's global
+    # generator. A trainer seeds it when built, so only draws made between building and saving
+    # tell whether the checkpoint's state is restored: the resumed session draws what the
+    # uninterrupted one would have.
+    trainer = Trainer(BASE, groups=ProcessGroups.single())
+    trainer.train_step()
+    torch.rand(3)                                   # the user's draws after the trainer was built
+    path = save_checkpoint(trainer, str(tmp_path / "ck"))
+    expected = torch.rand(4)
+    resumed = Trainer(BASE, groups=ProcessGroups.single())      # seeds the generator again
+    assert not torch.equal(torch.rand(4), expected)             # so the test can fail
+    resumed = Trainer(BASE, groups=ProcessGroups.single())
+    load_checkpoint(resumed, path)
+    assert torch.equal(torch.rand(4), expected)
+
+
 def test_torn_weights_are_not_saved_and_loading_mends_them(tmp_path):
     # A failure while the optimizer changes the weights leaves them torn: saving them is refused;
     # loading the last checkpoint replaces them and the trainer trains on.
