@@ -12,6 +12,10 @@ Replacement: an engine killed between calls, timed from the next ``Cluster.run``
 new engine forked, registered, set up, every rank re-joined): forked by the cluster's running
 zygote against the same after the zygote was killed, so that a new one imports torch again (what
 every replacement cost before the zygote stayed), alternated.
+Rejoin after a failure: a rank raises, and the next ``Cluster.run`` (every rank re-joins a fresh
+torch.distributed world, then the no-op) is timed: rank 0's store socket bound and listening
+before the other ranks are told its port (``reserve_port``) against a free port that rank 0 binds
+only when it starts its store (as before), alternated on the same engines.
 Round trip: ``Cluster.run`` of a function that does nothing on all 4 ranks (what every stepped
 action pays on top of its compute), against ipyparallel's own ``apply_sync`` on the same engines;
 target: mlmkit's round trip at most 50 ms.
@@ -74,6 +78,40 @@ def _replacements(reps: int) -> tuple[list[float], list[float]]:
     return warm, cold
 
 
+def _raise(*_args):
+    raise RuntimeError("benchmark: a failing call")
+
+
+def _port_found_not_held(_state, host="127.0.0.1"):
+    # The rejoin as it was before reserve_port: a port free a moment ago, bound by rank 0's store later.
+    from mlmkit.distributed import find_free_port
+
+    return find_free_port(host)
+
+
+def _rejoins(cluster, reps: int) -> tuple[list[float], list[float]]:
+    """Seconds of the call after a failed one (its rejoin included): reserved port, port found only."""
+    from mlmkit.cluster import RankError
+    from mlmkit.cluster import cluster as cluster_module
+
+    reserve = cluster_module.remote.reserve_port
+
+    def after_failure(port_fn) -> float:
+        cluster_module.remote.reserve_port = port_fn
+        try:
+            try:
+                cluster.run(_raise, ranks=[3])
+            except RankError:
+                pass
+            t0 = time.perf_counter()
+            cluster.run(_noop)
+            return time.perf_counter() - t0
+        finally:
+            cluster_module.remote.reserve_port = reserve
+
+    return alternate(lambda: after_failure(reserve), lambda: after_failure(_port_found_not_held), reps)
+
+
 def _session_steps(cluster, reps: int) -> tuple[list[float], list[float]]:
     """Seconds per ``Session.step()``, and per the same step made as three calls (as before)."""
     from mlmkit.cluster.session import _begin, _finish, _snapshot
@@ -134,6 +172,7 @@ def run(quick: bool = False) -> list[Row]:
             plain.append(time.perf_counter() - t0)
         if not session_steps:
             session_steps = _session_steps(cluster, 8 if quick else 30)
+            rejoins = _rejoins(cluster, 8 if quick else 30)
         pids = cluster.pids()
         t0 = time.perf_counter()
         cluster.shutdown()
@@ -160,6 +199,10 @@ def run(quick: bool = False) -> list[Row]:
         Row("cluster shutdown (4 engines), until every process exited",
             "Cluster.shutdown vs ipyparallel stop_cluster", median(stops_ours), median(stops_plain), "s",
             "n/a (reported)", None),
+        Row("call after a failed one (4 engines), every rank re-joined", "store socket reserved before the "
+            "ranks connect vs a free port bound when rank 0 starts its store, as before",
+            median(rejoins[0]) * 1e3, median(rejoins[1]) * 1e3, "ms", "n/a (reported)", None,
+            ratio=paired(*rejoins)[2]),
         Row("stepped-call round trip (4 engines)", "Cluster.run(no-op) vs view.apply_sync(no-op)",
             o * 1e3, b * 1e3, "ms", "mlmkit <= 50 ms", o * 1e3 <= 50, ratio=ratio),
         Row("session step (4 engines, quickstart tp=2 x pp=2), until its metrics are back",

@@ -267,3 +267,29 @@ def test_a_ring_shift_fails_on_its_receive_while_its_send_waits(tmp_path):
                                              collective_timeout_s=40)
     assert own_group and outcome.startswith("raised"), outcome
     assert saw_flag, "rank 0 waited for its send to rank 1 before its failed receive from rank 2"
+
+
+def test_a_store_socket_bound_first_serves_ranks_that_connect_before_the_store_starts():
+    # The cluster binds rank 0's store socket before it tells the other ranks the port (a rank
+    # that finds nothing listening backs off about half a second): a rank connecting before the
+    # store exists waits in the socket's backlog, and the store then serves it.
+    import threading
+
+    from mlmkit.distributed.process_groups import listening_socket, rendezvous_store
+
+    sock = listening_socket("127.0.0.1")
+    port = sock.getsockname()[1]
+    clients = {}
+    joining = threading.Thread(target=lambda: clients.update(
+        store=rendezvous_store(host="127.0.0.1", port=port, rank=1, world_size=2, timeout_s=10)))
+    joining.start()
+    time.sleep(0.2)                                   # rank 1 is connecting; no store serves yet
+    assert "store" not in clients
+    server = rendezvous_store(host="127.0.0.1", port=port, rank=0, world_size=2, timeout_s=10, listen_socket=sock)
+    joining.join(10)
+    server.set("from rank 0", "hello")
+    assert clients["store"].get("from rank 0") == b"hello"
+    other = listening_socket("127.0.0.1")
+    with pytest.raises(ValueError, match=rf"listen_socket is bound to port {other.getsockname()[1]}, not {port}"):
+        rendezvous_store(host="127.0.0.1", port=port, rank=0, world_size=2, timeout_s=10, listen_socket=other)
+    other.close()

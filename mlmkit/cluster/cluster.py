@@ -532,7 +532,8 @@ class Cluster:
         return self.info[rank]["host"] == self._hostname
 
     def _connect_all(self, attempts: int = 4) -> None:
-        """(Re)join every rank to a fresh torch.distributed world on a new free port."""
+        """(Re)join every rank to a fresh torch.distributed world on a new free port, which rank 0
+        binds and listens on before the others are told it (their stores then connect at once)."""
         from ipyparallel.error import RemoteError
 
         last = None
@@ -540,7 +541,7 @@ class Cluster:
             # loopback only when every rank is on this host; else rank 0's routable address
             every_local = all(self._is_local(r) for r in range(self.world_size))
             master_host = "127.0.0.1" if every_local else self._raw(0, remote.host_address)
-            port = self._raw(0, remote.free_port, master_host)
+            port = self._raw(0, remote.reserve_port, master_host)
             pending = {r: self.client[self.engine_ids[r]].apply_async(_connect_remote, _ref(), master_host, port)
                        for r in range(self.world_size)}
             errors = {}

@@ -78,6 +78,7 @@ class EngineState:
         self.data: dict[str, Any] = {}    # free space for user code
         self._watchdog: Optional[threading.Thread] = None
         self._stack_out = None
+        self._listening: Optional[socket.socket] = None   # rank 0: the next world's store socket
 
     # ---------------------------------------------------------------- setup
     def setup(self, *, rank: int, world_size: int, topology, local_rank: int, threads: int,
@@ -124,8 +125,12 @@ class EngineState:
         from mlmkit.distributed import ProcessGroups, init_distributed
 
         self.abort(collect=False)   # after a failure the failed call already collected; healthy ranks need not
+        listening, self._listening = self._listening, None
+        if listening is not None and (self.rank != 0 or listening.getsockname()[1] != port):
+            listening.close()
+            listening = None
         init_distributed(rank=self.rank, world_size=self.world_size, init_method=f"tcp://{master}:{port}",
-                         backend=self.backend, timeout_s=self.timeout_s)
+                         backend=self.backend, timeout_s=self.timeout_s, listen_socket=listening)
         fresh = ProcessGroups.build(self.topology, device=self.device)
         if self.groups is None:
             self.groups = fresh
@@ -219,10 +224,17 @@ def call(state: EngineState, fn: Callable, args: tuple, kwargs: dict):
 
 
 # --------------------------------------------------------------------------- engine-side helpers
-def free_port(_state: EngineState, host: str = "127.0.0.1") -> int:
-    from mlmkit.distributed import find_free_port
+def reserve_port(state: EngineState, host: str = "127.0.0.1") -> int:
+    """Rank 0: bind a listening socket on a free port of ``host`` for the next world's store and
+    return the port (:meth:`EngineState.connect` hands it to the store). The other ranks, told the
+    port, then find it listening however late rank 0 starts its store: no client backs off (about
+    half a second in torch's store), and no other process can take the port meanwhile."""
+    from mlmkit.distributed.process_groups import listening_socket
 
-    return find_free_port(host)
+    if state._listening is not None:
+        state._listening.close()
+    state._listening = listening_socket(host, 0, backlog=max(128, state.world_size))
+    return state._listening.getsockname()[1]
 
 
 def host_address(_state: EngineState) -> str:
@@ -240,5 +252,8 @@ def shutdown(state: EngineState, *, exit_on_term: bool = False) -> None:
     state.trainers.clear()
     state.trainer = None
     state.abort()
+    if state._listening is not None:
+        state._listening.close()
+        state._listening = None
     if exit_on_term and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_DFL)

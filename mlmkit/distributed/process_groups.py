@@ -36,7 +36,7 @@ def default_device(local_rank: int = 0) -> torch.device:
 
 
 def init_distributed(*, rank: int, world_size: int, init_method: str, backend: Optional[str] = None,
-                     timeout_s: float = 60.0) -> str:
+                     timeout_s: float = 60.0, listen_socket: Optional[socket.socket] = None) -> str:
     """``torch.distributed.init_process_group`` with a bounded collective timeout.
 
     Returns the backend used. ``timeout_s`` bounds every collective of the default group (a rank
@@ -46,6 +46,11 @@ def init_distributed(*, rank: int, world_size: int, init_method: str, backend: O
     ``tcp://``, rank 0 binds the rendezvous store to ``HOST`` only (torch's own store listens on
     every interface), and when ``HOST`` is a loopback address gloo's connections are bound to the
     loopback interface too, so a local job opens no port to the network.
+
+    ``listen_socket`` (rank 0, ``tcp://`` only): a socket already bound to ``HOST:PORT`` and
+    listening, which the store takes over. Bound before the other ranks are told the port, it lets
+    them connect at once: a rank that finds no listener backs off for about half a second before
+    it tries again (torch's store client), which rank 0 starting a moment later would cost.
     """
     backend = backend or default_backend()
     if backend not in ("gloo", "nccl"):
@@ -64,7 +69,8 @@ def init_distributed(*, rank: int, world_size: int, init_method: str, backend: O
         # gloo listens on the address its interface resolves to; keep a local job on loopback
         # (a user's own GLOO_SOCKET_IFNAME wins).
         os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
-    store = rendezvous_store(host=host, port=port, rank=rank, world_size=world_size, timeout_s=timeout_s)
+    store = rendezvous_store(host=host, port=port, rank=rank, world_size=world_size, timeout_s=timeout_s,
+                             listen_socket=listen_socket)
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     return backend
 
@@ -77,19 +83,35 @@ def _import_group_pinning_modules() -> None:
     import torch._dynamo  # noqa: F401
 
 
-def rendezvous_store(*, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> dist.TCPStore:
-    """The TCPStore of a job: rank 0 serves it on ``host:port`` only, the others connect to it."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if rank != 0:
-        return dist.TCPStore(host, port, world_size, False, timeout=timeout)
+def listening_socket(host: str, port: int = 0, *, backlog: int = 128) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (0: a free port the system picks) and listening: what
+    rank 0's store serves on (:func:`rendezvous_store`). Connections made before the store starts
+    wait in its backlog."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.bind((host, port))       # "Address already in use" here lets callers retry on a new port
-        sock.listen(max(128, world_size))
+        sock.listen(backlog)
     except OSError:
         sock.close()
         raise
+    return sock
+
+
+def rendezvous_store(*, host: str, port: int, rank: int, world_size: int, timeout_s: float,
+                     listen_socket: Optional[socket.socket] = None) -> dist.TCPStore:
+    """The TCPStore of a job: rank 0 serves it on ``host:port`` only (on ``listen_socket`` when
+    given: bound there and listening), the others connect to it."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, False, timeout=timeout)
+    if listen_socket is not None:
+        bound = listen_socket.getsockname()[1]
+        if bound != port:
+            raise ValueError(f"rendezvous_store: listen_socket is bound to port {bound}, not {port}")
+        sock = listen_socket
+    else:
+        sock = listening_socket(host, port, backlog=max(128, world_size))
     # The store takes the bound socket over (and closes it when it is destroyed).
     return dist.TCPStore(host, port, world_size, True, timeout=timeout, master_listen_fd=sock.detach())
 
