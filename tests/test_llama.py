@@ -18,15 +18,18 @@ BASE = TrainConfig(model=MODEL, micro_batch_size=2, global_batch_size=16, lr=3e-
                    max_steps=5, grad_clip=1.0, weight_decay=0.01)
 STEPS = 3
 
-# Every axis and option of the parity suite, folded into five runs: tp 2 and 4 (4 > kv_heads=2: key/value
-# heads replicated), pp with every schedule, dp, sequence parallelism, both recomputations, ZeRO-1, both
-# communication paths.
+# Every axis and option of the parity suite, folded into six runs: tp 2 and 4 (4 > kv_heads=2: key/value
+# heads replicated), pp with every schedule, dp, sequence parallelism, both recomputations, ZeRO 1-3, both
+# communication paths. ZeRO-2/3 reduce each layer's gradient during the backward, so the replicated
+# key/value heads' gradients are summed over tp there: tp4 with ZeRO-3 checks that (the first step's
+# gradients are shards then; the losses and the parameters after 3 steps are compared).
 LAYOUTS = {
-    "tp2-pp2-dp2-1f1b-sp-zero1": dict(tp=2, pp=2, dp=2, sequence_parallel=True, zero1=True),
+    "tp2-pp2-dp2-1f1b-sp-zero2": dict(tp=2, pp=2, dp=2, sequence_parallel=True, zero=2),
     "tp4-pp2-interleaved-selective": dict(tp=4, pp=2, schedule="interleaved-1f1b", chunks=2, recompute="selective"),
     "tp2-pp2-gpipe-full": dict(tp=2, pp=2, schedule="gpipe", recompute="full"),
     "pp2-dp2-zbh1-batched": dict(pp=2, dp=2, schedule="zb-h1", batch_p2p=True),
     "tp4-dp2-sp-zero1": dict(tp=4, dp=2, sequence_parallel=True, zero1=True),
+    "tp4-dp2-zero3-prefetch": dict(tp=4, dp=2, zero=3, prefetch=1),
 }
 # bf16 tolerance. bf16 keeps 8 bits of mantissa (relative spacing 2^-8 = 0.4%). Splitting a matmul over
 # ranks changes where bf16 rounding happens, so layouts agree to bf16's noise, not bit for bit:
@@ -52,12 +55,13 @@ def _global_grads(trainer) -> dict:
 
 def _run(rank, world_size, cfg_dict):
     cfg, groups, trainer = first_step_gradients(world_size, cfg_dict)
-    grads = _global_grads(trainer)
+    grads = _global_grads(trainer) if cfg.zero < 2 else None     # ZeRO-2/3: each rank holds shards
     losses = [trainer.finish_step()["loss"]]
     losses += [trainer.train_step()["loss"] for _ in range(STEPS - 1)]
     params = {}
-    for chunk in trainer.chunks:
-        params.update(gather_full(chunk))
+    with trainer.full_parameters():
+        for chunk in trainer.chunks:
+            params.update({n: t.clone() for n, t in gather_full(chunk).items()})
     keep = groups.coords.tp == 0 and groups.coords.dp == 0
     return {"losses": losses, "grads": grads if keep else {}, "params": params if keep else {}}
 
@@ -88,7 +92,7 @@ def test_llama_layout_matches_serial(layout, precision):
         for got, want in zip(r["losses"], ref["losses"]):
             tol = FP32_TOL * abs(want) if precision == "fp32" else BF16_LOSS_RTOL * abs(want)
             assert abs(got - want) <= tol, (layout, precision, r["losses"], ref["losses"])
-    for kind in ("grads", "params"):
+    for kind in ("grads", "params") if cfg.zero < 2 else ("params",):
         merged = {}
         for r in results:
             merged.update(r[kind])
