@@ -17,7 +17,7 @@ from mlmkit.model import GPT, gather_full
 from mlmkit.model.config import moe_config
 from mlmkit.model.gpt import moe_layers
 from mlmkit.model.presets import preset
-from mlmkit.moe.routing import route
+from mlmkit.moe.routing import capacity, capacity_keep, route
 from mlmkit.trace.export import merge_traces
 from mlmkit.train import TrainConfig
 from mlmkit.train.checkpoint import load_checkpoint, save_checkpoint
@@ -193,23 +193,48 @@ def test_auxiliary_losses_train_the_router():
 
 
 # ------------------------------------------------------------------------------- capacity mode
-def _capacity_reference(logits: torch.Tensor, *, top_k: int, cap: int, policy: str) -> int:
+def _capacity_kept(routing, *, cap: int, policy: str) -> list[list[bool]]:
     """A direct, loop-by-loop implementation of the capacity rule: each expert keeps its ``cap``
     assignments with the largest weights (ties: earlier token, then earlier choice) or the first
-    ``cap`` in token order; returns the number dropped."""
-    r = route(logits, top_k=top_k)
+    ``cap`` in token order; returns, per token and choice, whether the assignment is kept."""
+    T, k = routing.indices.shape
     per_expert = {}
-    for t in range(logits.shape[0]):
-        for j in range(top_k):
-            per_expert.setdefault(int(r.indices[t, j]), []).append((-float(r.weights[t, j]), t, j))
-    dropped = 0
+    for t in range(T):
+        for j in range(k):
+            per_expert.setdefault(int(routing.indices[t, j]), []).append((-float(routing.weights[t, j]), t, j))
+    kept = [[False] * k for _ in range(T)]
     for items in per_expert.values():
         if policy == "probs":
             items.sort()
         else:
             items.sort(key=lambda x: (x[1], x[2]))
-        dropped += max(0, len(items) - cap)
-    return dropped
+        for _, t, j in items[:cap]:
+            kept[t][j] = True
+    return kept
+
+
+def _capacity_reference(logits: torch.Tensor, *, top_k: int, cap: int, policy: str) -> int:
+    """The number of assignments :func:`_capacity_kept` drops."""
+    return sum(row.count(False) for row in _capacity_kept(route(logits, top_k=top_k), cap=cap, policy=policy))
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_capacity_keeps_the_assignments_the_rule_names(policy):
+    """Which assignments survive, not only how many (the layouts' parity runs share
+    :func:`capacity_keep` with their serial reference, and the trace counts drops only): random
+    logits, and integer ones whose equal weights exercise the tie rule, over token counts, top-k and
+    capacities that drop from none to most."""
+    g = torch.Generator().manual_seed(0)
+    checked = dropped = 0
+    for trial in range(48):
+        T, k, E = [(13, 2, 4), (32, 1, 8), (7, 3, 5), (20, 2, 3)][trial % 4]
+        logits = torch.randn(T, E, generator=g) if trial % 2 else torch.randint(0, 3, (T, E), generator=g).float()
+        r = route(logits, top_k=k)
+        cap = capacity(T, top_k=k, experts=E, factor=[0.3, 0.75, 1.0, 2.0][trial // 4 % 4])
+        keep = capacity_keep(r.indices, r.weights, experts=E, cap=cap, policy=policy)
+        assert keep.tolist() == _capacity_kept(r, cap=cap, policy=policy), (trial, T, k, E, cap)
+        checked, dropped = checked + T * k, dropped + int((~keep).sum())
+    assert 0 < dropped < checked
 
 
 def _first_step_moe_trace(rank, world_size, cfg_dict):
