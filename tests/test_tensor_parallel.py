@@ -11,6 +11,7 @@ from mlmkit.model import GPT, gather_full, shard_table, tiny_config
 from mlmkit.tensor_parallel import (
     RowParallelLinear,
     TPRandomState,
+    dropout,
     sync_sequence_parallel_grads,
     vocab_parallel_cross_entropy,
 )
@@ -205,6 +206,68 @@ def test_dropout_agrees_where_megatron_agrees():
     assert torch.equal(h0, h1)              # residual stream identical across TP ranks
     assert not torch.allclose(h0, e0)       # and dropout really was applied
     torch.testing.assert_close(e0, e1)
+
+
+def test_dropout_drops_at_rate_p_and_scales_the_kept_by_one_over_one_minus_p():
+    """The rate and the scale themselves (the parity runs draw the same masks on both sides, so a
+    wrong rate would pass them): a mask of 200k draws keeps 1 - p of them within 5 sigma, the kept
+    values are x / (1 - p), the backward scales the gradient by the same mask, and the generator
+    alone decides the mask."""
+    x = torch.randn(200_000, requires_grad=True)
+    for p in (0.1, 0.5, 0.8):
+        g = torch.Generator().manual_seed(3)
+        y = dropout(x, p, generator=g, training=True)
+        kept = y != 0
+        sigma = (p * (1 - p) / x.numel()) ** 0.5
+        assert abs(kept.float().mean().item() - (1 - p)) < 5 * sigma, (p, kept.float().mean().item())
+        torch.testing.assert_close(y[kept], x.detach()[kept] / (1 - p), rtol=0, atol=0)
+        (grad,) = torch.autograd.grad(y.sum(), x)
+        torch.testing.assert_close(grad, kept.float() / (1 - p), rtol=0, atol=0)
+        again = dropout(x, p, generator=torch.Generator().manual_seed(3), training=True)
+        assert torch.equal(again, y)
+    assert dropout(x, 0.5, generator=g, training=False) is x and dropout(x, 0.0, generator=g, training=True) is x
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe-shared-expert"])
+def test_every_dropout_site_of_the_model_drops_at_the_configured_rate(monkeypatch, moe):
+    """Each of the model's dropout sites (embedding; per layer the attention probabilities, the
+    attention output and the MLP's or the MoE layer's output) is called with the config's p and
+    drops about that share of its nonzero inputs (the attention probabilities hold the causal
+    mask's zeros already)."""
+    import mlmkit.model.blocks as blocks
+    import mlmkit.model.gpt as gpt
+    import mlmkit.moe.layer as moe_layer
+
+    calls = []
+
+    def recording(x, p, *, generator, training):
+        y = dropout(x, p, generator=generator, training=training)
+        calls.append((p, x.detach(), y.detach()))
+        return y
+
+    monkeypatch.setattr(blocks, "dropout", recording)
+    monkeypatch.setattr(gpt, "dropout", recording)
+    monkeypatch.setattr(moe_layer, "dropout", recording)
+    p = 0.3
+    extra = dict(experts=4, top_k=2, moe_shared_ffn_hidden=32) if moe else {}
+    cfg = tiny_config(dropout=p, attention="eager", **extra)
+    model = GPT(cfg)
+    model.train()
+    tokens, _ = batch(cfg)
+    model(tokens)
+    # the shared expert's own MLP passes p = 0 (its output joins the routed sum, dropped once after)
+    off = [(x, y) for q, x, y in calls if q == 0.0]
+    assert len(off) == (cfg.layers if moe else 0) and all(torch.equal(x, y) for x, y in off)
+    calls = [c for c in calls if c[0] != 0.0]
+    assert len(calls) == 1 + 3 * cfg.layers, len(calls)
+    for i, (got_p, x, y) in enumerate(calls):
+        assert got_p == p, (i, got_p)
+        live = x != 0
+        kept = (y != 0) & live
+        share = kept.sum().item() / live.sum().item()
+        sigma = (p * (1 - p) / live.sum().item()) ** 0.5
+        assert abs(share - (1 - p)) < 5 * sigma, (i, share, live.sum().item())
+        torch.testing.assert_close(y[kept], x[kept] / (1 - p))
 
 
 def test_shard_table_and_vocab_padding():
