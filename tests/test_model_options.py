@@ -51,6 +51,39 @@ def test_every_option_equals_plain_pytorch(name):
     assert torch.allclose(model.embedding.weight.grad[: cfg.vocab_size], ref.embed.weight.grad, atol=1e-6)
 
 
+@pytest.mark.parametrize("options", [
+    dict(make_vocab_size_divisible_by=128),
+    dict(OPTIONS["llama"], gate_up_fused=False),
+    dict(experts=4, top_k=2, moe_shared_ffn_hidden=96, mlp="gelu"),
+], ids=["gpt2-padded-vocab", "llama-unfused-untied", "moe-gelu-bias-shared"])
+def test_initial_weights_follow_megatrons_rule(options):
+    """The initial weights themselves (the parity runs copy them to their reference, so a wrong
+    initialisation passes them): every weight matrix N(0, init_std^2), the layers' output projections
+    (attention proj, every fc2: dense, expert, shared expert) N(0, (init_std / sqrt(2 L))^2) (Shoeybi
+    et al. 2019; Megatron-LM's scaled_init_method_normal), biases 0, norm gains 1, the vocabulary's
+    padding rows 0, and no two matrices alike (each draws from its own name's stream)."""
+    cfg = tiny_config(layers=4, hidden=128, heads=4, **options)
+    model = GPT(cfg)
+    scaled = cfg.init_std / (2 * cfg.layers) ** 0.5
+    matrices = {}
+    for n, p in model.named_parameters():
+        p = p.detach()
+        if p.ndim == 1:
+            assert torch.equal(p, torch.zeros_like(p) if n.endswith(".bias") else torch.ones_like(p)), n
+            continue
+        if n in ("embedding.weight", "head_weight"):
+            assert not p[cfg.vocab_size:].any(), n
+            p = p[:cfg.vocab_size]
+        want = scaled if n.endswith(("proj.weight", "fc2.weight")) else cfg.init_std
+        assert abs(float(p.std()) / want - 1) < 0.15, (n, float(p.std()), want)
+        assert abs(float(p.mean())) < 5 * want / p.numel() ** 0.5, (n, float(p.mean()))
+        matrices[n] = p
+    assert len(matrices) >= 2 + 2 * cfg.layers
+    for (a, x), (b, y) in itertools.combinations(matrices.items(), 2):
+        if x.shape == y.shape:
+            assert not torch.allclose(x, y), (a, b)
+
+
 def test_gpt2_defaults_unchanged():
     # The default model is today's GPT-2: same parameters by name and shape, SDPA equals the explicit
     # softmax(QK^T)V path (which is the previous implementation, bit for bit) to fp32 rounding.
