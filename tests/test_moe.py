@@ -192,6 +192,41 @@ def test_auxiliary_losses_train_the_router():
     assert history[0]["aux_loss"] == pytest.approx(0.1 * E * float((f * P).sum().detach()), rel=1e-5)
 
 
+@pytest.mark.parametrize("router,top_k", [("softmax", 2), ("softmax", 1), ("sigmoid", 2)])
+def test_auxiliary_loss_gradients_are_those_of_the_textbook_losses(router, top_k):
+    """The gradients the auxiliary losses inject (an identity on each MoE layer's output whose
+    backward adds them; every layout's parity run shares that code with its serial reference)
+    against autograd of the losses written out here from the router's logits: Switch's
+    ``aux = a E sum_e f_e P_e`` (f: share of the T k assignments, no gradient; P: mean score) and
+    ST-MoE's ``z = c mean_t logsumexp(logits_t)^2`` (Fedus et al. 2021; Zoph et al. 2022), summed
+    over the layers and added to the cross-entropy. Every gradient, serial model, one microbatch."""
+    a, c = 0.05, 0.01
+    shape = {**MODEL.to_dict(), "moe_router": router, "top_k": top_k, "moe_renormalize": top_k > 1}
+    tokens, targets = Trainer(_config(moe_config(**shape)), groups=ProcessGroups.single()).data.batch(0, 2)
+    with_losses = GPT(moe_config(**{**shape, "moe_aux_loss_coeff": a, "moe_z_loss_coeff": c}))
+    with_losses(tokens, targets).backward()
+    plain = GPT(moe_config(**shape))
+    logits = []
+    for layer in moe_layers(plain):
+        layer.router.register_forward_hook(lambda m, i, out: logits.append(out))
+    total = plain(tokens, targets)
+    E = MODEL.experts
+    for lg in logits:                                              # [T, E] per layer
+        r = route(lg, top_k=top_k, score=router, renormalize=top_k > 1)
+        f = torch.bincount(r.indices.reshape(-1), minlength=E).float() / (lg.shape[0] * top_k)
+        total = total + a * E * (f * r.scores.mean(0)).sum() + c * torch.logsumexp(lg, dim=-1).pow(2).mean()
+    total.backward()
+    assert len(logits) == MODEL.layers
+    want = dict(plain.named_parameters())
+    for n, p in with_losses.named_parameters():
+        torch.testing.assert_close(p.grad, want[n].grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{n}: {m}")
+    ce_only = GPT(moe_config(**shape))
+    ce_only(tokens, targets).backward()
+    for i in range(MODEL.layers):            # the losses moved every router's gradient: the check has teeth
+        n = f"layers.{i}.mlp.router.weight"
+        assert not torch.allclose(want[n].grad, dict(ce_only.named_parameters())[n].grad, rtol=1e-3, atol=0), n
+
+
 # ------------------------------------------------------------------------------- capacity mode
 def _capacity_kept(routing, *, cap: int, policy: str) -> list[list[bool]]:
     """A direct, loop-by-loop implementation of the capacity rule: each expert keeps its ``cap``
