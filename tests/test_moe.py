@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from mlmkit.distributed import ProcessGroups, run_ranks
 from mlmkit.estimate import estimate_train_comm, estimate_train_memory, moe_parameter_counts
@@ -225,6 +226,64 @@ def test_auxiliary_loss_gradients_are_those_of_the_textbook_losses(router, top_k
     for i in range(MODEL.layers):            # the losses moved every router's gradient: the check has teeth
         n = f"layers.{i}.mlp.router.weight"
         assert not torch.allclose(want[n].grad, dict(ce_only.named_parameters())[n].grad, rtol=1e-3, atol=0), n
+
+
+def _plain_mlp(module, x: torch.Tensor, kind: str) -> torch.Tensor:
+    """An (expert or shared) MLP written out from its weights: ``fc2(act(fc1 x))``, SwiGLU's fc1
+    holding [gate; up]."""
+    y = F.linear(x, module.fc1.weight, module.fc1.bias)
+    if kind == "gelu":
+        y = F.gelu(y)
+    else:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    return F.linear(y, module.fc2.weight, module.fc2.bias)
+
+
+@pytest.mark.parametrize("options", [
+    dict(mlp="gelu", bias=True, moe_shared_ffn_hidden=32),
+    dict(top_k=1, moe_renormalize=False),
+    dict(moe_router="sigmoid", moe_capacity_factor=0.5, moe_drop_policy="probs"),
+], ids=["gelu-bias-shared", "top1", "sigmoid-capacity"])
+def test_moe_layer_is_the_weighted_sum_of_its_experts(options):
+    """The layer's permute, expert and un-permute path (shared by every layout's parity run and its
+    serial reference) against the definition token by token: ``y_t = sum_j w_tj E_j(x_t)`` over the
+    kept assignments, plus the shared expert, each MLP written out from its weights; and the
+    gradients of the input and of every parameter through both."""
+    cfg = moe_config(**{**MODEL.to_dict(), **options})
+    layer = GPT(cfg).layers["1"].mlp
+    x = torch.randn(cfg.seq_len, 3, cfg.hidden, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(2))
+
+    def grads(y):
+        layer.zero_grad()
+        x.grad = None
+        (y * g).sum().backward()
+        return [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+
+    got = layer(x)
+    got_grads = grads(got)
+    tokens = x.reshape(-1, cfg.hidden)                                          # [T, h]
+    r = route(tokens @ layer.router.weight.t(), top_k=cfg.top_k, score=cfg.moe_router, renormalize=cfg.moe_renormalize)
+    keep = torch.ones_like(r.indices, dtype=torch.bool)
+    if cfg.moe_capacity_factor is not None:
+        cap = capacity(tokens.shape[0], top_k=cfg.top_k, experts=cfg.experts, factor=cfg.moe_capacity_factor)
+        keep = capacity_keep(r.indices, r.weights, experts=cfg.experts, cap=cap, policy=cfg.moe_drop_policy)
+        assert not keep.all()
+    rows = []
+    for t in range(tokens.shape[0]):
+        y_t = torch.zeros(cfg.hidden)
+        for j in range(cfg.top_k):
+            if keep[t, j]:
+                y_t = y_t + r.weights[t, j] * _plain_mlp(layer.experts[str(int(r.indices[t, j]))], tokens[t], cfg.mlp)
+        rows.append(y_t)
+    want = torch.stack(rows)
+    if layer.shared is not None:
+        want = want + _plain_mlp(layer.shared, tokens, cfg.mlp)
+    want = want.view_as(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got_grads, grads(want)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------- capacity mode
