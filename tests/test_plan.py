@@ -82,6 +82,93 @@ def test_the_config_decides_dropout_and_flash_attention():
     assert flash < eager                                                # no [s, s] scores kept
 
 
+# A machine on which compute, memory traffic and the optimizer take no measurable time (an exaflop
+# per GPU, an infinite memory bandwidth): what remains of a Megatron-LM step is its communication,
+# each term below counted from its definition. Every group fits in one node (NVLink 100 GB/s).
+WIRE = Hardware(name="wire", peak_tflops=1e12, memory_bytes=1e15, hbm_bandwidth=1e30, intra_node_bandwidth=1e11,
+                gpus_per_node=1024, inter_node_bandwidth=1e10, latency_s=2e-6, efficiency=1.0, half_width=0.0)
+
+
+def _ring_time(op, nbytes, n, hw=WIRE):
+    """A ring collective over ``n`` ranks: each rank moves 2 (n - 1) / n of the data in 2 (n - 1)
+    steps (all-reduce), or (n - 1) / n in n - 1 steps (all-gather, reduce-scatter)."""
+    steps, share = (2 * (n - 1), 2 * (n - 1) / n) if op == "all_reduce" else (n - 1, (n - 1) / n)
+    return share * nbytes / hw.intra_node_bandwidth + steps * hw.latency_s
+
+
+def _gpt_parameters(model):
+    """Every parameter of a GPT with biases, learned positions and a tied head (layer norm gains and
+    biases 2h each; attention's q, k, v and output projection; the MLP's two layers)."""
+    h, f, kv = model.hidden, model.ffn, model.num_kv_heads * model.head_dim
+    layer = 2 * h + (h * (h + 2 * kv) + h + 2 * kv) + (h * h + h) + 2 * h + (h * f + f) + (f * h + h)
+    return model.vocab_size * h + model.seq_len * h + model.layers * layer + 2 * h
+
+
+def test_megatron_time_model_communication_terms_are_their_definitions():
+    model = GPTConfig(vocab_size=1024, seq_len=512, hidden=256, heads=8, kv_heads=2, layers=8)
+    b, s, h, E = 2, model.seq_len, model.hidden, 2                    # bf16 activations and parameters
+    act = b * s * h * E                                                # one [s, b, h] activation, bytes
+
+    def run(gbs=16, **layout):
+        return predict(model, WIRE, Layout(micro_batch_size=b, **layout), global_batch_size=gbs)
+
+    # tensor parallelism: per layer and microbatch two all-reduces in forward (attention's and the MLP's
+    # output), their two conjugates in backward, and full recomputation runs the forward's two again;
+    # selective recomputation reruns attention's core only (no communication)
+    for rc, count in (("none", 4), ("selective", 4), ("full", 6)):
+        got = run(tp=4, recompute=rc, zero=0)["tp_comm_s"]
+        assert got == pytest.approx(8 * model.layers * count * _ring_time("all_reduce", act, 4), rel=1e-9), rc
+    # pipeline: each microbatch's activation crosses every stage boundary forward and its gradient
+    # backward, once per model chunk; with sequence parallelism only a tp rank's share of the sequence
+    got = run(tp=2, pp=4, chunks=2, schedule="interleaved-1f1b", zero=0)
+    assert got["pp_comm_s"] == pytest.approx(8 * 2 * 2 * (act / 2 / WIRE.intra_node_bandwidth + WIRE.latency_s),
+                                             rel=1e-9)
+    # context parallelism: a ring of cp - 1 steps passing the key and value blocks [b, kv heads, s / cp,
+    # d] in forward, then in backward the same blocks and their gradients (three passes), nothing hidden
+    # behind an attention that takes no time
+    kv_block = 2 * b * model.num_kv_heads * (s // 4) * model.head_dim * E
+    ring = 3 * (4 - 1) * (kv_block / WIRE.intra_node_bandwidth + WIRE.latency_s)
+    assert run(cp=4, zero=0)["cp_comm_s"] == pytest.approx(8 * model.layers * ring, rel=1e-6)
+    # data parallelism: the fp32 gradients of every parameter all-reduced once per step (ZeRO-1: reduce-
+    # scatter and all-gather, the same bytes), nothing to overlap with a backward that takes no time
+    n = _gpt_parameters(model)
+    for zero in (0, 1):
+        got = run(gbs=32, dp=4, zero=zero)["dp_comm_s"]
+        assert got == pytest.approx(_ring_time("all_reduce", 4 * n, 4), rel=1e-6), zero
+    # ZeRO-3: the gradients reduce-scattered, and each layer's bf16 parameters (the stage's per layer)
+    # all-gathered before its forward and again before its backward, for every one of the m = 4 microbatches
+    gather = _ring_time("all_gather", n / model.layers * E, 4)
+    got = run(gbs=32, dp=4, zero=3)
+    assert got["microbatches"] == 4
+    assert got["dp_comm_s"] == pytest.approx(_ring_time("reduce_scatter", 4 * n, 4)
+                                             + 2 * 4 * model.layers * gather, rel=1e-6)
+    # ... and holds its shard of the model state (18 / dp bytes per parameter in bf16: 2 parameter,
+    # 4 fp32 gradient, 12 fp32 master and moments) plus two gathered layers at a time
+    assert got["state_bytes"] == pytest.approx(18 * n / 4 + 2 * n / model.layers * E, rel=1e-9)
+
+    # expert parallelism: each microbatch's tokens sent to their top-k experts (the share held by the
+    # other ep - 1 ranks) and combined back, in forward and again in backward: four all-to-alls per layer
+    moe = GPTConfig(vocab_size=1024, seq_len=512, hidden=256, heads=8, layers=8, experts=8, top_k=2)
+    got = predict(moe, WIRE, Layout(micro_batch_size=b, dp=4, ep=4, zero=0), global_batch_size=64)   # m = 8
+    a2a = b * s * moe.top_k * h * E * (4 - 1) / 4
+    assert got["ep_comm_s"] == pytest.approx(8 * moe.layers * 4 * (a2a / WIRE.intra_node_bandwidth
+                                                                     + WIRE.latency_s), rel=1e-9)
+
+
+@pytest.mark.parametrize("gpu", ["a100-80gb", "h100-sxm"])
+def test_a_megatron_step_is_the_sum_of_its_breakdown(gpu):
+    # The step's time split into compute, the communication of each axis, the pipeline bubble, the
+    # exposed data-parallel reduction and the optimizer: the parts add up to the step, on every layout
+    # the planner ranks (the last stage's head, its forward and its twice as long backward, included).
+    parts = ["compute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "pp_comm_s", "bubble_s", "dp_comm_s", "optimizer_s"]
+    for model in (SMALL, preset("llama3-8b"), preset("mixtral-8x7b")):
+        table = plan(model, gpus=64, gpu=gpu, global_batch_size=256)
+        assert len(table) > 20
+        total = table[parts].sum(axis=1)
+        assert ((total - table.step_time_s).abs() <= 1e-9 * table.step_time_s).all(), \
+            table.loc[(total - table.step_time_s).abs() > 1e-9 * table.step_time_s, ["tp", "cp", "pp", "dp", "ep"]]
+
+
 def test_published_results_within_15_percent_for_most_rows():
     table = comparison()
     assert len(table) == len(ROWS) >= 8 and table.source.nunique() >= 2

@@ -231,7 +231,8 @@ def _flops(model: GPTConfig, s: int, t: int) -> tuple:
 
 
 def _ring(op: str, nbytes: float, n: int, bw: float, latency: float) -> float:
-    if n <= 1:
+    # nothing to move (a dense model's expert part): no collective, no latency
+    if n <= 1 or nbytes == 0:
         return 0.0
     steps = 2 * (n - 1) if op == "all_reduce" else n - 1
     share = 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
