@@ -53,6 +53,23 @@ def test_interleaved_bubble_of_narayanan(p, m):
     assert res.bubble_ratio == pytest.approx(one.bubble_ratio / v, abs=1e-9)
 
 
+@pytest.mark.parametrize("p,m,v,group", [(2, 4, 2, None), (4, 8, 2, None), (4, 8, 4, None), (4, 12, 3, None),
+                                         (2, 5, 2, 3), (4, 4, 2, None), (3, 9, 2, None)])
+def test_interleaved_warm_up_is_megatrons(p, m, v, group):
+    # Megatron-LM's interleaved schedule runs 2 (p - r - 1) + (v - 1) group forwards of model chunks
+    # before rank r's first backward (all m v of them when there are fewer), so the rank holds that
+    # many plus one chunk activations at its peak. One warm-up forward more or less still gives a valid
+    # schedule with the same numbers and, at these sizes, the same bubble; only the memory shows it.
+    # On the first rank that is Korthikanti et al. 2022's p (1 + (p - 1) / (p v)) microbatches.
+    g = group or p
+    s = make_schedule("interleaved-1f1b", stages=p, microbatches=m, chunks=v,
+                      **({} if group is None else {"microbatch_group": group}))
+    res = simulate(s, UNIFORM)
+    assert res.peak_inflight == {r: min(2 * (p - r - 1) + (v - 1) * g + 1, m * v) for r in range(p)}
+    if group is None and m >= p + (p - 1) / v:
+        assert res.peak_inflight[0] / v == pytest.approx(p * (1 + (p - 1) / (p * v)))
+
+
 @pytest.mark.parametrize("p,m", GRID)
 def test_zero_bubble_h1_is_a_third_of_1f1b(p, m):
     costs = {"forward": 1.0, "backward": 1.0, "weight": 1.0}
