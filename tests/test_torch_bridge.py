@@ -200,3 +200,48 @@ def test_bad_exports_name_the_fix_and_leave_the_file_alone(tmp_path):
             with pytest.raises(ScheduleError, match=needle):
                 to_torch_csv(bad, str(path), format=fmt)
     assert path.read_text() == before
+
+
+# mlmkit's generators against PyTorch's classes of the same name (an implementation of the papers'
+# orders written apart from mlmkit's): each rank's compute actions, F / I / W / B with microbatch and
+# chunk, are the same, one by one. torch's zero-bubble H1 is not compared: mlmkit's takes the newest
+# pending W (schedule.py says why), torch's the oldest.
+SAME_ORDER = {"ScheduleInterleaved1F1B": "interleaved-1f1b", "ScheduleZBVZeroBubble": "zb-v",
+              "ScheduleDualPipeV": "dualpipev"}
+
+
+def _torch_orders(rank, world_size, microbatches):
+    import torch.distributed.pipelining.schedules as S
+    from torch.distributed.pipelining import PipelineStage
+
+    groups = ProcessGroups.build(Topology(pp=world_size))
+    out = {}
+    for cls_name in SAME_ORDER:
+        v_shaped = cls_name in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+        indices = [rank, 2 * world_size - 1 - rank] if v_shaped else [rank, rank + world_size]
+        stages = [PipelineStage(torch.nn.Linear(1, 1), i, 2 * world_size, torch.device("cpu"), group=groups.pp.pg)
+                  for i in indices]
+        for m in microbatches:
+            if cls_name == "ScheduleInterleaved1F1B" and m % world_size:
+                continue                          # torch takes whole rounds of p microbatches only
+            if cls_name == "ScheduleDualPipeV" and m < 2 * world_size:
+                continue                          # both refuse fewer microbatches than virtual stages
+            sched = from_torch(getattr(S, cls_name)(stages, m, loss_fn=lambda out, tgt: out.sum()), name=cls_name)
+            out[cls_name, m] = {r: [(a.kind, a.microbatch, a.chunk) for a in sched.compute_actions(r)]
+                                for r in range(world_size)}
+    return out
+
+
+@pytest.mark.parametrize("p,microbatches", [(2, (2, 4, 5, 8)), (3, (3, 6, 7, 9)), (4, (4, 8, 11, 12, 16))])
+def test_mlmkits_orders_are_torchs(p, microbatches):
+    theirs = run_ranks(_torch_orders, world_size=p, args=(microbatches,), timeout_s=120)[0]
+    assert {name for name, _ in theirs} == set(SAME_ORDER)
+    for (cls_name, m), order in theirs.items():
+        ours = make_schedule(SAME_ORDER[cls_name], stages=p, microbatches=m, chunks=2)
+        for r in range(p):
+            assert [(a.kind, a.microbatch, a.chunk) for a in ours.compute_actions(r)] == order[r], (cls_name, m, r)
+    assert len(theirs) >= 2 * len(microbatches)
+    for m in microbatches:
+        if m < 2 * p:
+            with pytest.raises(ScheduleError, match="at least as many microbatches as virtual stages"):
+                make_schedule("dualpipev", stages=p, microbatches=m, chunks=2)
