@@ -36,6 +36,23 @@ def test_gpipe_and_1f1b_bubble(name, p, m):
 
 
 @pytest.mark.parametrize("p,m", GRID)
+def test_a_message_costs_its_latency_plus_its_bytes_over_the_bandwidth(p, m):
+    # GPipe's forward wave crosses p - 1 links before the last stage starts, and the backward wave
+    # the same links back after it: (m + p - 1)(F + B) + 2 (p - 1) hop, hop = latency + bytes / bandwidth.
+    F, B, latency, nbytes, bandwidth = 1.0, 2.0, 0.1, 3e6, 1e7
+    costs = Costs(forward=F, backward=B, p2p_latency=latency, p2p_bandwidth=bandwidth, message_bytes=nbytes)
+    res = simulate(make_schedule("gpipe", stages=p, microbatches=m), costs)
+    assert res.step_time == pytest.approx((m + p - 1) * (F + B) + 2 * (p - 1) * (latency + nbytes / bandwidth))
+    # every schedule: the bytes cost exactly what the same time as latency costs
+    for name in SCHEDULES:
+        if name == "dualpipev" and m < 2 * p:
+            continue                                  # it needs a microbatch per virtual stage
+        s = make_schedule(name, stages=p, microbatches=m, chunks=_chunks(name))
+        same = Costs(forward=F, backward=B, p2p_latency=latency + nbytes / bandwidth)
+        assert simulate(s, costs).step_time == pytest.approx(simulate(s, same).step_time), name
+
+
+@pytest.mark.parametrize("p,m", GRID)
 def test_peak_inflight(p, m):
     gpipe = simulate(make_schedule("gpipe", stages=p, microbatches=m), UNIFORM)
     ofob = simulate(make_schedule("1f1b", stages=p, microbatches=m), UNIFORM)
