@@ -212,6 +212,31 @@ def test_costs_per_rank_read_the_same_in_every_container():
     assert costs.forward == [5.0, 7.0] and type(costs.backward) is float
 
 
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 4)])
+def test_ranks_sharing_cores_share_them_equally(p, m):
+    from mlmkit.pipeline.simulate import shared_run
+
+    # Processor sharing: the computing ranks split the cores, each at most one. On one core nothing
+    # runs in parallel and, with free messages, some rank always computes: the step is the sum of
+    # every rank's work. With a core per rank or more the ranks never slow down: the step is the
+    # unshared one. In between the step lies between the two, and at least the work over the cores.
+    costs = {"forward": 1.0, "backward": 2.0, "weight": 0.5}
+    for name in SCHEDULES:
+        if name == "dualpipev" and m < 2 * p:
+            continue                                  # it needs a microbatch per virtual stage
+        s = make_schedule(name, stages=p, microbatches=m, chunks=_chunks(name))
+        alone = simulate(s, costs)
+        work = sum(alone.busy_per_rank.values())
+        assert simulate(s, costs, cores=1).step_time == pytest.approx(work), name
+        for cores in (p, p + 1.5, 4 * p):
+            assert simulate(s, costs, cores=cores).step_time == pytest.approx(alone.step_time), (name, cores)
+            # (simulate then skips the sharing; the sharing model itself, given those cores, agrees)
+            end = max(row[4] for row in shared_run(s, Costs.from_mapping(costs), cores=cores))
+            assert end == pytest.approx(alone.step_time), (name, cores)
+        half = simulate(s, costs, cores=p / 2).step_time
+        assert max(alone.step_time, work / (p / 2)) - 1e-9 <= half <= work + 1e-9, name
+
+
 @pytest.mark.parametrize("cores", [0, -2, float("nan"), True, "2", [2]])
 def test_cores_that_are_not_a_positive_number_are_refused(cores):
     # True simulated as one core, "2" raised a TypeError from a comparison.
