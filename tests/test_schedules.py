@@ -688,3 +688,25 @@ def test_calibrate_takes_one_pipeline_and_refuses_other_ranks():
         for unordered in ({0, 4, 8, 12}, frozenset({0, 4, 8, 12}), {0: 0, 4: 1, 8: 2, 12: 3}):
             with pytest.raises(ValueError, match=r"is unordered; give one pipeline's global ranks as a list"):
                 call(unordered)
+
+
+def test_calibrate_takes_each_stages_statistic_of_each_kind():
+    # Measured durations of one kind on one virtual stage, with an outlier (a slow first action), give
+    # their median, mean or minimum as asked; the split backward's I and W are read apart, and a full
+    # B without W is the backward.
+    from mlmkit.pipeline.simulate import calibrate
+
+    s = make_schedule("zb-h1", stages=2, microbatches=4)
+    tl = simulate(s, Costs(forward=[1.0, 2.0], backward=[3.0, 4.0], weight=[0.5, 0.25])).timeline
+    durations = {0: [1.0, 1.0, 1.5, 9.0]}                    # stage 0's four forwards, in microbatch order
+    first = tl[(tl["rank"] == 0) & (tl.action == "F")].sort_values("microbatch")
+    tl = tl.copy()
+    tl.loc[first.index, "end"] = first.start.to_numpy() + durations[0]
+    for statistic, want in (("median", 1.25), ("mean", 3.125), ("min", 1.0)):
+        costs = calibrate(tl, s, statistic=statistic)
+        assert costs.forward == [pytest.approx(want), pytest.approx(2.0)], statistic
+        assert costs.backward == [3.0, 4.0] and costs.weight == [0.5, 0.25], statistic
+    full = simulate(make_schedule("1f1b", stages=2, microbatches=4), Costs(forward=1.0, backward=[3.0, 4.0],
+                                                                          weight=[0.5, 0.25])).timeline
+    costs = calibrate(full, make_schedule("1f1b", stages=2, microbatches=4))
+    assert costs.backward == [3.5, 4.25] and costs.weight == [0.0, 0.0]
