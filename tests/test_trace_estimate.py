@@ -430,3 +430,24 @@ def test_an_abandoned_step_frees_its_activations():
     assert trainer.memory.activations == 0
     trainer.train_step()                    # and the next step is whole
     assert trainer.memory.activations == 0
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+def test_ring_wire_bytes_are_the_ring_algorithms(n):
+    # What one rank sends (Patarasuk & Yuan 2009; Megatron-LM's and ZeRO's byte counts): an all-reduce
+    # is a reduce-scatter then an all-gather, 2 (n - 1) steps of N / n; an all-gather or a reduce-scatter
+    # (N the gathered size) n - 1 steps of N / n; a broadcast, a send or an all-to-all of N bytes puts N
+    # on the wire, a receive nothing; a group of one sends nothing. The tracer and the estimator both
+    # count with this function, so their agreement cannot show a wrong count: this test does.
+    from mlmkit.trace import ring_wire_bytes
+
+    N = 8 * 9 * 5 * 7                                   # divisible by every n here
+    assert ring_wire_bytes("all_reduce", N, n) == (2 * (n - 1) * (N // n) if n > 1 else 0)
+    for op in ("all_gather", "reduce_scatter"):
+        assert ring_wire_bytes(op, N, n) == ((n - 1) * (N // n) if n > 1 else 0)
+    assert ring_wire_bytes("recv", N, n) == 0
+    for op in ("send", "all_to_all"):
+        assert ring_wire_bytes(op, N, n) == N
+    assert ring_wire_bytes("broadcast", N, n) == (N if n > 1 else 0)
+    with pytest.raises(ValueError, match="unknown op 'gather'"):
+        ring_wire_bytes("gather", N, max(n, 2))
