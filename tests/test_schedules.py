@@ -698,10 +698,9 @@ def test_calibrate_takes_each_stages_statistic_of_each_kind():
 
     s = make_schedule("zb-h1", stages=2, microbatches=4)
     tl = simulate(s, Costs(forward=[1.0, 2.0], backward=[3.0, 4.0], weight=[0.5, 0.25])).timeline
-    durations = {0: [1.0, 1.0, 1.5, 9.0]}                    # stage 0's four forwards, in microbatch order
     first = tl[(tl["rank"] == 0) & (tl.action == "F")].sort_values("microbatch")
     tl = tl.copy()
-    tl.loc[first.index, "end"] = first.start.to_numpy() + durations[0]
+    tl.loc[first.index, "end"] = first.start.to_numpy() + [1.0, 1.0, 1.5, 9.0]   # stage 0's four forwards
     for statistic, want in (("median", 1.25), ("mean", 3.125), ("min", 1.0)):
         costs = calibrate(tl, s, statistic=statistic)
         assert costs.forward == [pytest.approx(want), pytest.approx(2.0)], statistic

@@ -116,6 +116,13 @@ def _serial(m):
     return loss.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
+def _stage_indices(cls_name, rank, world_size):
+    """The two virtual stages ``rank`` holds under torch's schedule class: in a V, or looped."""
+    if cls_name in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV"):
+        return [rank, 2 * world_size - 1 - rank]
+    return [rank, rank + world_size]
+
+
 TORCH_CLASSES = [("ScheduleInterleaved1F1B", 8), ("ScheduleLoopedBFS", 8), ("ScheduleInterleavedZeroBubble", 8),
                  ("ScheduleZBVZeroBubble", 8), ("ScheduleDualPipeV", 8)]
 
@@ -125,8 +132,7 @@ def _run_torch_class(rank, world_size, cls_name, m):
     from torch.distributed.pipelining import PipelineStage
 
     groups = ProcessGroups.build(Topology(pp=world_size))
-    v_shaped = cls_name in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
-    indices = [rank, 2 * world_size - 1 - rank] if v_shaped else [rank, rank + world_size]
+    indices = _stage_indices(cls_name, rank, world_size)
     probe = [GPT(CFG, stage=_stage(i, 2 * world_size)) for i in indices]
     stages = [PipelineStage(mod, i, 2 * world_size, torch.device("cpu"), group=groups.pp.pg)
               for mod, i in zip(probe, indices)]
@@ -217,10 +223,8 @@ def _torch_orders(rank, world_size, microbatches):
     groups = ProcessGroups.build(Topology(pp=world_size))
     out = {}
     for cls_name in SAME_ORDER:
-        v_shaped = cls_name in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
-        indices = [rank, 2 * world_size - 1 - rank] if v_shaped else [rank, rank + world_size]
         stages = [PipelineStage(torch.nn.Linear(1, 1), i, 2 * world_size, torch.device("cpu"), group=groups.pp.pg)
-                  for i in indices]
+                  for i in _stage_indices(cls_name, rank, world_size)]
         for m in microbatches:
             if cls_name == "ScheduleInterleaved1F1B" and m % world_size:
                 continue                          # torch takes whole rounds of p microbatches only
