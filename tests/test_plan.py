@@ -661,6 +661,102 @@ def test_local_cpu_plans_only_layouts_mlmkit_runs():
     assert (gpu.schedule == "interleaved-1f1b").any()
 
 
+def _traced_steps(rank, world_size, config_dicts):
+    import torch
+
+    from mlmkit.train.trainer import traced_step
+
+    torch.manual_seed(0)
+    return [traced_step(rank, world_size, c)["comm"] for c in config_dicts]
+
+
+#: Layouts of 4 ranks whose traced collectives the local-cpu time model must price one by one:
+#: tensor parallelism with and without sequence parallelism and recomputation, replicated key/value
+#: heads (tp > kv_heads), every ZeRO stage, small dp buckets, the tied embedding between the ends
+#: of a pipeline (none in a V), interleaved chunks, bf16.
+_LLAMA_KV1 = {"norm": "rmsnorm", "mlp": "swiglu", "position": "rope", "bias": False, "kv_heads": 1,
+              "ffn_hidden": 64, "tie_embeddings": False}
+TRACED_LAYOUTS = {
+    "tp2 dp2 sp full zero1 bf16": dict(tp=2, dp=2, sequence_parallel=True, recompute="full", zero=1, precision="bf16"),
+    "tp2 dp2 full buckets": dict(tp=2, dp=2, recompute="full", bucket_bytes=4096),
+    "tp4 llama kv1 sp selective": dict(tp=4, sequence_parallel=True, recompute="selective", model=_LLAMA_KV1),
+    "tp2 pp2 selective": dict(tp=2, pp=2, recompute="selective"),
+    "tp2 pp2 interleaved sp": dict(tp=2, pp=2, chunks=2, schedule="interleaved-1f1b", sequence_parallel=True),
+    "pp2 dp2 zb-v zero3": dict(pp=2, dp=2, chunks=2, schedule="zb-v", zero=3),
+    "dp4 zero2": dict(dp=4, zero=2),
+    "pp2 dp2 zero3": dict(pp=2, dp=2, zero=3),
+}
+
+
+@pytest.fixture(scope="module")
+def traced_layouts():
+    from dataclasses import replace
+
+    from mlmkit.distributed import run_ranks
+    from mlmkit.train import TrainConfig
+
+    base = GPTConfig(vocab_size=256, seq_len=16, hidden=32, heads=4, layers=4)
+    configs = {}
+    for name, kw in TRACED_LAYOUTS.items():
+        kw = dict(kw)
+        model = replace(base, **kw.pop("model", {}))
+        configs[name] = TrainConfig(model=model, micro_batch_size=2, global_batch_size=16, **kw)
+    comms = run_ranks(_traced_steps, world_size=4, args=([c.to_dict() for c in configs.values()],), timeout_s=300)
+    return {name: (cfg, [per_rank[i] for per_rank in comms]) for i, (name, cfg) in enumerate(configs.items())}
+
+
+def _expected_collectives(cfg, pp_rank, bucket_bytes=None):
+    from collections import Counter
+
+    from mlmkit.plan.timing import mlmkit_collectives
+
+    m, layers = cfg.microbatches, cfg.model.layers // cfg.pp
+    out = Counter()
+    for x in mlmkit_collectives(cfg.model, Layout.of(cfg), pp_rank=pp_rank, precision=cfg.precision,
+                                bucket_bytes=bucket_bytes or cfg.bucket_bytes):
+        out[(x.axis, x.op, x.nbytes, x.ranks, x.phase)] += x.count * {"layer": m * layers, "microbatch": m, "step": 1}[x.per]
+    return out
+
+
+@pytest.mark.parametrize("name", list(TRACED_LAYOUTS))
+def test_local_cpu_time_model_prices_every_collective_a_traced_step_makes(traced_layouts, name):
+    # What the local-cpu time model prices is mlmkit_collectives; on every rank of a real traced step
+    # (4 gloo ranks) each collective is there, with its bytes, group and phase, as often as traced
+    from collections import Counter
+
+    cfg, comms = traced_layouts[name]
+    for rank, comm in enumerate(comms):
+        comm = comm[comm.axis != "pp"]
+        traced = Counter((r.axis, r.op, int(r.bytes), len(r.ranks), r.phase or "optimizer") for r in comm.itertuples())
+        expected = _expected_collectives(cfg, cfg.topology.coords(rank).pp)
+        assert traced == expected, (rank, traced - expected, expected - traced)
+    # ... and prices each once per occurrence: every collective costs 1 ms here, nothing else costs time
+    # (a plan does not know a run's bucket size: the trainer's default)
+    flat = {(n, g): 1e-3 for n in (2, 4) for g in (2e-4, 2e-3)}
+    hw = _local(gflops_by_width={w: 1e12 for w in (8, 64)}, op_overhead_s=0.0, recompute_overhead_s=0.0,
+                collective_latency=flat, collective_factor={"all_gather": 1.0, "reduce_scatter": 1.0},
+                bandwidth=1e30, cores=1e9)
+    got = predict(cfg.model, hw, Layout.of(cfg), global_batch_size=cfg.global_batch_size)
+    p, v, m = cfg.pp, cfg.chunks, cfg.microbatches
+    ends = {r: _expected_collectives(cfg, r, bucket_bytes=25 * 2**20) for r in {0, p - 1}}
+    if p == 1:      # one rank holds everything: its traced collectives, axis by axis
+        tp = sum(n for k, n in ends[0].items() if k[0] == "tp")
+        assert got["tp_comm_s"] == pytest.approx(tp * 1e-3, rel=1e-9)
+        assert got["dp_comm_s"] == pytest.approx((sum(ends[0].values()) - tp) * 1e-3, rel=1e-9)
+    else:           # a pipeline: a stage's layers on the critical path in m v + p - 1 of its actions, both
+        # ends' embedding, head and loss once per microbatch, the step's own once
+        from mlmkit.plan.timing import mlmkit_collectives
+
+        colls = {r: mlmkit_collectives(cfg.model, Layout.of(cfg), pp_rank=r, precision=cfg.precision) for r in ends}
+        per_layer = sum(x.count for x in colls[0] if x.per == "layer")
+        ends_mb = sum(x.count for r in colls for x in colls[r] if x.per == "microbatch" and x.axis == "tp")
+        step_tp = {sum(x.count for x in colls[r] if x.per == "step" and x.axis == "tp") for r in colls}
+        assert len(step_tp) == 1            # the same on both ends in these layouts
+        lp = cfg.model.layers // (p * v)
+        assert got["tp_comm_s"] == pytest.approx(((m * v + p - 1) * lp * per_layer + m * ends_mb + step_tp.pop())
+                                                 * 1e-3, rel=1e-9)
+
+
 def test_a_model_by_preset_name():
     # plan and predict take a preset by name, as the command line's --model does
     by_name = plan("llama3-8b", gpus=8, gpu="h100-sxm", global_batch_size=64, top=3)

@@ -44,7 +44,7 @@ from mlmkit.model.config import GPTConfig
 from mlmkit.topology import Topology
 from mlmkit.trace.tracer import ring_wire_bytes
 
-__all__ = ["estimate_comm", "estimate_train_comm"]
+__all__ = ["estimate_comm", "estimate_train_comm", "gradient_messages"]
 
 
 def _buckets(sizes: list[int], bucket_bytes: int, alone: list[bool]) -> list[int]:
@@ -65,21 +65,32 @@ def _buckets(sizes: list[int], bucket_bytes: int, alone: list[bool]) -> list[int
 AXES = ("tp", "cp", "tp-cp", "ep", "expert-tp", "pp", "dp", "expert-dp", "embedding", "world")
 
 
-def _grad_reduction(params, d: int, *, zero1: bool, R: int, E: int, bucket_bytes: int) -> int:
-    # the optimizer part's reduction over its d replicas (mlmkit.data_parallel.optimizer)
+def gradient_messages(params, d: int, *, zero1: bool, R: int, E: int, bucket_bytes: int) -> list[tuple[str, int]]:
+    """The ``(op, bytes)`` of each collective that reduces ``params``' gradients over their ``d``
+    replicas once per step (:mod:`mlmkit.data_parallel.optimizer`): one all-reduce per bucket
+    (parameters in reverse order, each tied embedding copy a bucket of its own), or with ZeRO-1 a
+    reduce-scatter of the gradients (``R`` bytes each) and an all-gather of the parameters (``E``
+    bytes each) per flat vector, padded to a multiple of ``d`` (each tied embedding copy a vector of
+    its own). Bytes as the tracer records them: the whole tensor."""
     if d == 1 or not params:
-        return 0
-    if zero1:     # one flat vector; each tied embedding copy a flat vector of its own
+        return []
+    if zero1:
         copies = [q.numel for q in params if q.tied_embedding]
-        total = 0
+        out = []
         for n in [sum(q.numel for q in params) - sum(copies)] + copies:
             if n:
                 padded = -(-n // d) * d
-                total += ring_wire_bytes("reduce_scatter", padded * R, d) + ring_wire_bytes("all_gather", padded * E, d)
-        return total
+                out += [("reduce_scatter", padded * R), ("all_gather", padded * E)]
+        return out
     sizes = [q.numel * R for q in reversed(params)]
     alone = [q.tied_embedding for q in reversed(params)]
-    return sum(ring_wire_bytes("all_reduce", n, d) for n in _buckets(sizes, bucket_bytes, alone))
+    return [("all_reduce", n) for n in _buckets(sizes, bucket_bytes, alone)]
+
+
+def _grad_reduction(params, d: int, *, zero1: bool, R: int, E: int, bucket_bytes: int) -> int:
+    # the optimizer part's reduction over its d replicas, as wire bytes
+    return sum(ring_wire_bytes(op, n, d)
+               for op, n in gradient_messages(params, d, zero1=zero1, R=R, E=E, bucket_bytes=bucket_bytes))
 
 
 def _moe_comm(model: GPTConfig, topology: Topology, *, s: int, b: int, m: int, E: int, G: int, sp: bool,

@@ -73,8 +73,8 @@ from mlmkit.plan.hardware import GiB, Hardware
 from mlmkit.scalars import plain_bool
 from mlmkit.topology import Topology
 
-__all__ = ["Layout", "check_flash_attention", "check_layout_fields", "check_mlmkit_runtime", "check_seq_len",
-           "pipeline_time", "predict"]
+__all__ = ["Collective", "Layout", "check_flash_attention", "check_layout_fields", "check_mlmkit_runtime", "check_seq_len",
+           "mlmkit_collectives", "pipeline_time", "predict"]
 
 FRAGMENTATION = 1.05
 #: HBM passes (reads and writes, forward and backward together) over each layer's activations:
@@ -273,6 +273,117 @@ def check_mlmkit_runtime(model: GPTConfig, *, cp: Optional[int] = 1, ep: Optiona
                          f"yet (experts={model.experts}); plan a dense model here, or a GPU preset")
 
 
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective that a step of mlmkit's own trainer issues on one rank, as its tracer
+    records it (:mod:`mlmkit.trace`): ``count`` of them per ``per`` ("layer": each layer of the rank,
+    each microbatch; "microbatch"; "step")."""
+
+    axis: str        # the tracer's axis: "tp", "dp", "embedding" (tied, first and last stage), "world"
+    op: str          # "all_reduce", "all_gather" or "reduce_scatter"
+    nbytes: int      # the tracer's bytes: the whole tensor (gathered, or before its scatter)
+    ranks: int       # the group's size
+    per: str
+    phase: str       # the tracer's phase: "forward", "backward", or "optimizer" (after the backward)
+    count: int = 1
+    rerun: bool = False   # a forward collective that full recomputation runs again inside the backward
+
+
+def mlmkit_collectives(model: GPTConfig, layout: "Layout", *, seq_len: Optional[int] = None, pp_rank: int = 0,
+                       precision: str = "fp32", bucket_bytes: int = 25 * 2**20) -> list[Collective]:
+    """Every collective a training step of :class:`mlmkit.train.Trainer` issues on pipeline rank
+    ``pp_rank`` of ``layout`` (any of its tp ranks), gradients reduced in fp32 (the trainer's
+    default) in buckets of ``bucket_bytes``. What :func:`_predict_mlmkit` prices; tests compare it
+    with traced steps, collective by collective.
+
+    Per layer and microbatch, with tensor parallelism (Shoeybi et al. 2019): the all-reduces of
+    attention's and the MLP's output in forward and of their inputs' gradients in backward; with
+    sequence parallelism (Korthikanti et al. 2022) each all-reduce is an all-gather before and a
+    reduce-scatter after its block, forward and backward (4 + 4); full recomputation runs the
+    forward's collectives again in backward. Per microbatch: the embedding's reduction (first
+    stage), the head's and the vocab-parallel loss's three fp32 ``[s, b]`` all-reduces (last
+    stage); ZeRO-3's all-gather of each unit before its forward and its backward. Per step: the
+    sequence-parallel parameters' and replicated key/value heads' gradient sums (per model chunk),
+    the data-parallel gradient reduction (:func:`mlmkit.estimate.comm.gradient_messages`; ZeRO-2/3
+    per unit), the tied embedding's sum between first and last stage, the loss and gradient norm
+    over the world. Context and expert parallelism are not covered (:func:`check_mlmkit_runtime`)."""
+    from mlmkit.estimate.comm import gradient_messages
+    from mlmkit.estimate.params import shard_unit_sizes, stage_layout
+
+    check_mlmkit_runtime(model, cp=layout.cp, ep=layout.ep)
+    t, p, d, v, b = layout.tp, layout.pp, layout.dp, layout.chunks, layout.micro_batch_size
+    s = seq_len or model.seq_len
+    E = 4 if precision == "fp32" else 2
+    sp = layout.sequence_parallel and t > 1
+    placement = "v" if layout.schedule in ("zb-v", "dualpipev") else "loop"
+    topo = Topology(tp=t, pp=p, dp=d)
+    act = s * b * model.hidden * E                                   # one [s, b, h] activation
+    stages = stage_layout(model, topo, pp_rank=pp_rank, chunks=v, placement=placement)
+    out: list[Collective] = []
+
+    def add(axis, op, nbytes, ranks, per, phase, count=1, rerun=False):
+        if ranks > 1 and count:
+            out.append(Collective(axis, op, int(nbytes), ranks, per, phase, count, rerun))
+
+    if t > 1:
+        for phase in ("forward", "backward"):
+            if sp:
+                add("tp", "all_gather", act, t, "layer", phase, 2)
+                add("tp", "reduce_scatter", act, t, "layer", phase, 2)
+            else:
+                add("tp", "all_reduce", act, t, "layer", phase, 2)
+        if layout.recompute == "full":
+            if sp:
+                add("tp", "all_gather", act, t, "layer", "forward", 2, rerun=True)
+                add("tp", "reduce_scatter", act, t, "layer", "forward", 2, rerun=True)
+            else:
+                add("tp", "all_reduce", act, t, "layer", "forward", 2, rerun=True)
+        ends = [st for st in stages if st["pre_process"] or st["post_process"]]
+        for st in ends:
+            if st["pre_process"]:            # the vocab-parallel embedding's sum (with SP: scattered)
+                if sp:
+                    add("tp", "reduce_scatter", act, t, "microbatch", "forward")
+                    add("tp", "all_gather", act, t, "microbatch", "backward")
+                else:
+                    add("tp", "all_reduce", act, t, "microbatch", "forward")
+            if st["post_process"]:           # the head's f (with SP: gathered) and the loss's three sums
+                if sp:
+                    add("tp", "all_gather", act, t, "microbatch", "forward")
+                    add("tp", "reduce_scatter", act, t, "microbatch", "backward")
+                else:
+                    add("tp", "all_reduce", act, t, "microbatch", "backward")
+                add("tp", "all_reduce", s * b * 4, t, "microbatch", "forward", 3)
+        for st in stages:                    # once per step and model chunk
+            mine = local_parameters(model, topo, pp_rank=pp_rank, chunks=v, sequence_parallel=sp,
+                                    only_chunk=st["chunk"], placement=placement)
+            if sp:
+                add("tp", "all_reduce", 4 * sum(q.numel for q in mine if q.sequence_parallel), t, "step", "backward")
+            replicated = sum(q.numel * (t // q.replicas) for q in mine if q.replicas > 1)
+            if replicated:
+                add("tp", "all_reduce", 4 * replicated, t, "step", "backward")
+    if d > 1:
+        if layout.zero >= 2:
+            for u in shard_unit_sizes(model, topo, pp_rank=pp_rank, chunks=v, sequence_parallel=sp,
+                                      placement=placement):
+                padded = -(-u["numel"] // d) * d
+                add("dp", "reduce_scatter", padded * 4, d, "step", "backward")
+                if layout.zero == 2:
+                    add("dp", "all_gather", padded * E, d, "step", "optimizer")
+                else:                        # before each forward and each backward of the unit
+                    add("dp", "all_gather", padded * E, d, "microbatch", "forward")
+                    add("dp", "all_gather", padded * E, d, "microbatch", "backward")
+        else:
+            params = local_parameters(model, topo, pp_rank=pp_rank, chunks=v, sequence_parallel=sp, placement=placement)
+            for op, nbytes in gradient_messages(params, d, zero1=layout.zero == 1, R=4, E=E, bucket_bytes=bucket_bytes):
+                add("dp", op, nbytes, d, "step", "backward" if op != "all_gather" else "optimizer")
+    if p > 1 and model.tie_embeddings:
+        ends = sum(st["pre_process"] + st["post_process"] for st in stages)
+        if ends == 1:                        # one end here, the other on another rank (a V holds both)
+            add("embedding", "all_reduce", model.padded_vocab(t) // t * model.hidden * 4, 2, "step", "backward")
+    add("world", "all_reduce", 8, t * p * d, "step", "optimizer", 2)       # loss, gradient norm
+    return out
+
+
 def _predict_mlmkit(model: GPTConfig, hw: Hardware, L: Layout, *, m: int, s: int) -> dict:
     """Time of a step of mlmkit's own trainer (``hw.runtime == "mlmkit"``, e.g. ``local-cpu``):
     every collective waited for (gloo: nothing overlapped), operators' host time counted
@@ -301,18 +412,24 @@ def _predict_mlmkit(model: GPTConfig, hw: Hardware, L: Layout, *, m: int, s: int
     act = tokens / cp * h * E
     coll = hw.collective_time
     bw = hw.intra_node_bandwidth
-    # each collective after the work since the previous one (its gap): two per layer each way
-    gf, gb = f_work / 2, b_work / 2
-    if sp:
-        tp_f = coll("all_gather", act, t, bw, gf) + coll("reduce_scatter", act, t, bw, gf)
-        tp_b = tp_f * (1 if L.recompute == "full" else 0) + coll("all_gather", act, t, bw, gb) \
-            + coll("reduce_scatter", act, t, bw, gb)
-    else:
-        tp_f = 2 * coll("all_reduce", act, t, bw, gf)
-        tp_b = tp_f * (1 if L.recompute == "full" else 0) + 2 * coll("all_reduce", act, t, bw, gb)
+    # the collectives of the two end stages (every rank has the same per layer): mlmkit_collectives
+    ends = {r: mlmkit_collectives(model, L, seq_len=s, pp_rank=r, precision=hw.precision) for r in {0, p - 1}}
+    layer = [x for x in ends[0] if x.per == "layer"]
+    own_f = [x for x in layer if x.phase == "forward" and not x.rerun]
+    own_b = [x for x in layer if x.phase == "backward"]
+    # each of a layer's collectives after the work since the previous one (its gap); the reruns of
+    # full recomputation after the recomputed forward's
+    gf = f_work / max(1, sum(x.count for x in own_f))
+    gb = b_work / max(1, sum(x.count for x in own_b))
+
+    def priced(collectives, gap) -> float:
+        return sum(x.count * coll(x.op, x.nbytes, x.ranks, bw, gap) for x in collectives)
+
+    tp_f = priced(own_f, gf)
+    tp_b = priced([x for x in layer if x.rerun], gf) + priced(own_b, gb)
     head = fl["head"] * tokens / (t * cp) / peak
-    loss_coll = 3 * coll("all_reduce", tokens / cp * 4, t, bw, gf) + coll("all_reduce", act, t, bw, gf)
-    emb_coll = coll("all_reduce", act, t, bw, gf) * (2 if sp else 1)
+    # the embedding's and the head's (with the loss's) collectives per microbatch, both ends
+    per_mb = priced([x for r in ends for x in ends[r] if x.per == "microbatch" and x.axis == "tp"], gf)
     lp = layers / (p * v)                                          # layers per virtual stage
     F = [lp * f_work] * (p * v)
     B = [lp * b_work] * (p * v)
@@ -341,30 +458,28 @@ def _predict_mlmkit(model: GPTConfig, hw: Hardware, L: Layout, *, m: int, s: int
     # collectives waited for on the critical path: every forward and backward of one stage of each
     # microbatch, plus the pipeline's fill and drain
     path = m * v + (p - 1)
-    tp_wait = path * (wait_f + wait_b) + m * (loss_coll + emb_coll)
-    # once per step: gradient reduction over dp x cp, the tied embedding between first and last stage,
-    # the loss and gradient-norm all-reduces over the world, the optimizer on every rank at once
-    n_stage = _stage_parameters(model, t, p, v, sp)
+    tp_wait = path * (wait_f + wait_b) + m * per_mb
+    # once per step, on the end stage with more parameters: the sequence-parallel gradient sums, the
+    # gradient reduction over dp (ZeRO-3: per unit, its reduce-scatter after the unit's backward, its
+    # gathers before each forward and backward), the tied embedding between first and last stage, the
+    # loss and gradient-norm all-reduces over the world; the optimizer on every rank at once
     tensors = len(_stage_tensors(model, t, p, v, sp))
     replicas = d * cp
-    g_end = B[0]                           # the step's collectives follow the last backward
-    if replicas > 1:
-        if L.zero >= 1:
-            dp = (coll("reduce_scatter", n_stage * 4, replicas, bw, g_end)
-                  + coll("all_gather", n_stage * E, replicas, bw, g_end))
-        else:
-            dp = coll("all_reduce", n_stage * 4, replicas, bw, g_end)
-        if L.zero == 3:      # per layer: a gather before each forward and backward, a reduce-scatter
-            units = layers / p + 1
-            dp = units * (m * coll("all_gather", n_stage / units * E, replicas, bw, f_work)
-                          + m * coll("all_gather", n_stage / units * E, replicas, bw, b_work)
-                          + coll("reduce_scatter", n_stage / units * 4, replicas, bw, b_work))
-    else:
-        dp = 0.0
+    big = max(ends, key=lambda r: sum(q.numel for q in local_parameters(model, Topology(tp=t, pp=p), pp_rank=r,
+                                                                         chunks=v, sequence_parallel=sp)))
+    per_step = [x for x in ends[big] if x.per == "step"]
+    unit_rs = [x for x in per_step if L.zero == 3 and x.op == "reduce_scatter"]
+    gathers = [x for x in ends[big] if x.per == "microbatch" and x.axis == "dp"]
+    # the step's collectives one after the other: the first after the last backward (its gap), each
+    # next right after the one before (no work between: the shortest measured gap)
+    chain = [x for x in per_step if x not in unit_rs]
+    first = {id(chain[0]): coll(chain[0].op, chain[0].nbytes, chain[0].ranks, bw, B[0])
+             - coll(chain[0].op, chain[0].nbytes, chain[0].ranks, bw, 0.0)} if chain else {}
+    tp_wait += sum(priced([x], 0.0) + first.get(id(x), 0.0) for x in chain if x.axis == "tp")
+    dp = (sum(priced([x], 0.0) + first.get(id(x), 0.0) for x in chain if x.axis != "tp") + priced(unit_rs, b_work)
+          + m * priced([x for x in gathers if x.phase == "forward"], f_work)
+          + m * priced([x for x in gathers if x.phase == "backward"], b_work))
     world = t * cp * p * d
-    dp += 2 * coll("all_reduce", 8, world, bw, g_end)
-    if p > 1 and model.tie_embeddings:
-        dp += coll("all_reduce", model.padded_vocab(t) // t * h * 4, 2, bw, g_end)
     opt_ops = OPS["step"] + tensors * (OPS["optimizer_per_tensor"] + (OPS["dp_per_tensor"] if replicas > 1 else 0))
     optimizer = opt_ops * c * (max(1.0, world / cores) if cores is not None else 1.0)
     step = pipe + tp_wait + dp + optimizer
