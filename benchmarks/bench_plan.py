@@ -40,6 +40,8 @@ LOCAL_LAYOUTS = {
     "pp4 mbs1": dict(tp=1, pp=4, dp=1, micro_batch_size=1),
     "tp2 pp2": dict(tp=2, pp=2, dp=1),
     "tp2 pp2 interleaved": dict(tp=2, pp=2, dp=1, schedule="interleaved-1f1b", chunks=2),
+    "tp2 dp2 sp": dict(tp=2, pp=1, dp=2, sequence_parallel=True),
+    "tp4 sp": dict(tp=4, pp=1, dp=1, sequence_parallel=True),
 }
 RANKED = ["pp2 dp2", "pp2 dp2 mbs2", "dp4 zero3", "tp2 dp2", "tp2 pp2 interleaved", "tp4"]
 

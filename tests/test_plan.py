@@ -684,6 +684,9 @@ TRACED_LAYOUTS = {
     "tp2 pp2 interleaved sp": dict(tp=2, pp=2, chunks=2, schedule="interleaved-1f1b", sequence_parallel=True),
     "pp2 dp2 zb-v zero3": dict(pp=2, dp=2, chunks=2, schedule="zb-v", zero=3),
     "dp4 zero2": dict(dp=4, zero=2),
+    "tp2 dp2 sp zero3": dict(tp=2, dp=2, sequence_parallel=True, zero=3),
+    "tp2 pp2 zb-h1 sp kv1 zero2": dict(tp=2, pp=2, schedule="zb-h1", sequence_parallel=True, zero=2, model=_LLAMA_KV1),
+    "tp4 kv1 zero2": dict(tp=4, zero=2, model=_LLAMA_KV1),
     "pp2 dp2 zero3": dict(pp=2, dp=2, zero=3),
 }
 
@@ -755,6 +758,17 @@ def test_local_cpu_time_model_prices_every_collective_a_traced_step_makes(traced
         lp = cfg.model.layers // (p * v)
         assert got["tp_comm_s"] == pytest.approx(((m * v + p - 1) * lp * per_layer + m * ends_mb + step_tp.pop())
                                                  * 1e-3, rel=1e-9)
+
+
+def test_mlmkit_collectives_refuse_what_no_rank_of_the_layout_is():
+    from mlmkit.plan import mlmkit_collectives
+
+    with pytest.raises(ValueError, match=r"pp_rank=2 must be an integer in 0\.\.1 \(pp=2\)"):
+        mlmkit_collectives(QUICK, Layout(pp=2), pp_rank=2)
+    with pytest.raises(ValueError, match=r"precision='fp16': expected 'fp32' or 'bf16'"):
+        mlmkit_collectives(QUICK, Layout(tp=2), precision="fp16")
+    with pytest.raises(ValueError, match=r"does not cover context or expert parallelism yet \(cp=2, ep=1\)"):
+        mlmkit_collectives(QUICK, Layout(cp=2))
 
 
 def test_a_model_by_preset_name():

@@ -4,6 +4,7 @@ and memory model per layout (:mod:`mlmkit.plan.timing`) and the search over layo
 
 from mlmkit.plan.hardware import GPUS, Hardware, hardware
 from mlmkit.plan.search import COLUMNS, plan, search_space
-from mlmkit.plan.timing import Layout, predict
+from mlmkit.plan.timing import Collective, Layout, mlmkit_collectives, predict
 
-__all__ = ["COLUMNS", "GPUS", "Hardware", "Layout", "hardware", "plan", "predict", "search_space"]
+__all__ = ["COLUMNS", "GPUS", "Collective", "Hardware", "Layout", "hardware", "mlmkit_collectives", "plan", "predict",
+           "search_space"]

@@ -46,8 +46,9 @@ whose total is largest.
 **mlmkit's own runtime** (``hw.runtime == "mlmkit"``: ``local-cpu``, measured by
 :func:`mlmkit.distributed.calibrate_local_cpu`) replaces the time terms above with what a step of
 :class:`mlmkit.train.Trainer` does on CPU ranks over gloo (:func:`_predict_mlmkit`): fp32; every
-collective waited for (nothing overlapped), each priced by the measured latency of its group size
-after the work that precedes it; host time per dispatched operator (:data:`OPS`, counted in
+collective the step makes (:func:`mlmkit_collectives`, equal to a traced step's, collective by
+collective: tests check it) waited for (nothing overlapped), each priced by the measured latency of
+its group size after the work that precedes it; host time per dispatched operator (:data:`OPS`, counted in
 mlmkit's code) and per recomputed region; ranks sharing the machine's cores (processor sharing:
 the pipeline through :func:`mlmkit.pipeline.simulate` with ``cores`` and the measured message
 latency of a pipeline of that depth); the optimizer's operators on every rank at once. A split
@@ -68,7 +69,7 @@ from mlmkit.estimate.memory import activation_bytes_per_layer, bytes_per_paramet
 from mlmkit.estimate.params import local_parameters
 from mlmkit.model.config import GPTConfig
 from mlmkit.model.presets import PRESETS, preset
-from mlmkit.pipeline.schedule import SCHEDULES
+from mlmkit.pipeline.schedule import SCHEDULES, V_SCHEDULES
 from mlmkit.plan.hardware import GiB, Hardware
 from mlmkit.scalars import plain_bool
 from mlmkit.topology import Topology
@@ -89,6 +90,8 @@ ADAM_BYTES_PER_PARAM = 32
 LAYOUT_FIELDS = ("tp", "cp", "pp", "dp", "ep", "chunks", "schedule", "micro_batch_size", "recompute", "zero",
                  "sequence_parallel")
 CHUNKED_SCHEDULES = ("interleaved-1f1b", "zb-v", "dualpipev")
+#: Schedules whose backward is split into I and W (a weight gradient is whole only after the last W).
+SPLIT_BACKWARD_SCHEDULES = ("zb-h1", "zb-v", "dualpipev")
 #: Schedules the time model of Megatron-LM's runtime (the GPU presets) covers: its 1F1B and interleaved
 #: 1F1B; mlmkit's own runtime (``local-cpu``) simulates every schedule mlmkit runs.
 MEGATRON_SCHEDULES = ("1f1b", "interleaved-1f1b")
@@ -312,10 +315,14 @@ def mlmkit_collectives(model: GPTConfig, layout: "Layout", *, seq_len: Optional[
 
     check_mlmkit_runtime(model, cp=layout.cp, ep=layout.ep)
     t, p, d, v, b = layout.tp, layout.pp, layout.dp, layout.chunks, layout.micro_batch_size
+    if isinstance(pp_rank, bool) or not isinstance(pp_rank, numbers.Integral) or not 0 <= pp_rank < p:
+        raise ValueError(f"mlmkit_collectives: pp_rank={pp_rank!r} must be an integer in 0..{p - 1} (pp={p})")
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"mlmkit_collectives: precision={precision!r}: expected 'fp32' or 'bf16'")
     s = seq_len or model.seq_len
     E = 4 if precision == "fp32" else 2
     sp = layout.sequence_parallel and t > 1
-    placement = "v" if layout.schedule in ("zb-v", "dualpipev") else "loop"
+    placement = "v" if layout.schedule in V_SCHEDULES else "loop"
     topo = Topology(tp=t, pp=p, dp=d)
     act = s * b * model.hidden * E                                   # one [s, b, h] activation
     stages = stage_layout(model, topo, pp_rank=pp_rank, chunks=v, placement=placement)
@@ -353,14 +360,23 @@ def mlmkit_collectives(model: GPTConfig, layout: "Layout", *, seq_len: Optional[
                 else:
                     add("tp", "all_reduce", act, t, "microbatch", "backward")
                 add("tp", "all_reduce", s * b * 4, t, "microbatch", "forward", 3)
-        for st in stages:                    # once per step and model chunk
+        # once per step and model chunk; ZeRO-2/3 sum each layer's in its backward, once its gradient
+        # is whole (not under a split backward: its W actions come later), and the rest at the end
+        by_layer = layout.zero >= 2 and layout.schedule not in SPLIT_BACKWARD_SCHEDULES
+        for st in stages:
             mine = local_parameters(model, topo, pp_rank=pp_rank, chunks=v, sequence_parallel=sp,
                                     only_chunk=st["chunk"], placement=placement)
-            if sp:
-                add("tp", "all_reduce", 4 * sum(q.numel for q in mine if q.sequence_parallel), t, "step", "backward")
-            replicated = sum(q.numel * (t // q.replicas) for q in mine if q.replicas > 1)
-            if replicated:
-                add("tp", "all_reduce", 4 * replicated, t, "step", "backward")
+            parts = [mine]
+            if by_layer:
+                parts = [[q for q in mine if q.name.startswith(f"layers.{i}.")] for i in st["layers"]] \
+                    + [[q for q in mine if not q.name.startswith("layers.")]]
+            for part in parts:
+                if sp and any(q.sequence_parallel for q in part):
+                    add("tp", "all_reduce", 4 * sum(q.numel for q in part if q.sequence_parallel), t, "step",
+                        "backward")
+                replicated = sum(q.numel * (t // q.replicas) for q in part if q.replicas > 1)
+                if replicated:
+                    add("tp", "all_reduce", 4 * replicated, t, "step", "backward")
     if d > 1:
         if layout.zero >= 2:
             for u in shard_unit_sizes(model, topo, pp_rank=pp_rank, chunks=v, sequence_parallel=sp,
