@@ -2,6 +2,7 @@
 published results it must come close to, the command line, bad input."""
 
 import json
+from dataclasses import replace
 import re
 import subprocess
 import sys
@@ -153,6 +154,25 @@ def test_megatron_time_model_communication_terms_are_their_definitions():
     a2a = b * s * moe.top_k * h * E * (4 - 1) / 4
     assert got["ep_comm_s"] == pytest.approx(8 * moe.layers * 4 * (a2a / WIRE.intra_node_bandwidth
                                                                      + WIRE.latency_s), rel=1e-9)
+
+
+@pytest.mark.parametrize("axis,layout", [
+    ("tp_comm_s", dict(tp=8)),                                   # tp ranks adjacent: a group spans tp
+    ("cp_comm_s", dict(tp=4, cp=2)),                             # cp ranks tp apart: spans tp x cp
+    ("ep_comm_s", dict(tp=2, cp=2, ep=2)),                       # ep ranks tp x cp apart
+    ("pp_comm_s", dict(tp=2, dp=2, pp=2)),                       # pp ranks tp x cp x dp apart
+    ("dp_comm_s", dict(tp=4, dp=2)),                             # dp (x cp) ranks tp apart
+], ids=["tp8", "tp4-cp2", "tp2-cp2-ep2", "tp2-dp2-pp2", "tp4-dp2"])
+def test_each_groups_link_is_the_node_when_its_ranks_fit_in_one(axis, layout):
+    # Megatron-LM's rank order (tp fastest, then cp, ep within them, dp, pp slowest): a group of n
+    # ranks s apart fits in a node of 8 GPUs when n s <= 8. Inside a node the link here is free,
+    # between nodes it costs: each layout's group spans 8 ranks, so it costs on nodes of 4, not of 8
+    model = GPTConfig(vocab_size=1024, seq_len=512, hidden=256, heads=8, layers=8,
+                      experts=4 if "ep" in layout else 0)
+    fast = replace(WIRE, intra_node_bandwidth=1e30, inter_node_bandwidth=1e9, latency_s=0.0)
+    L = Layout(micro_batch_size=1, zero=0, **layout, schedule="1f1b")
+    costs = {node: predict(model, replace(fast, gpus_per_node=node), L, global_batch_size=8)[axis] for node in (4, 8)}
+    assert costs[8] < 1e-12 and costs[4] > 1e-6, costs
 
 
 @pytest.mark.parametrize("gpu", ["a100-80gb", "h100-sxm"])
