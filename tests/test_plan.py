@@ -156,6 +156,24 @@ def test_megatron_time_model_communication_terms_are_their_definitions():
                                                                      + WIRE.latency_s), rel=1e-9)
 
 
+def test_megatron_gradient_reduction_hides_behind_the_last_microbatchs_backward():
+    # Megatron-LM reduces gradients in buckets during the last microbatch's backward: what exceeds
+    # that backward is exposed, whatever the number of microbatches before it. No tensor parallelism
+    # or pipeline here: one microbatch's backward is 2/3 of its compute (forward and backward)
+    model = GPTConfig(vocab_size=1024, seq_len=512, hidden=256, heads=8, layers=8)
+    slow = replace(WIRE, peak_tflops=2.0, intra_node_bandwidth=2e9, latency_s=0.0)
+    exposed = {}
+    for m in (1, 4, 16):
+        got = predict(model, slow, Layout(dp=4, micro_batch_size=1, zero=0), global_batch_size=4 * m)
+        assert got["microbatches"] == m
+        backward = 2 * got["compute_s"] / (3 * m)
+        reduce = _ring_time("all_reduce", 4 * _gpt_parameters(model), 4, hw=slow)
+        assert 0 < backward < reduce
+        assert got["dp_comm_s"] == pytest.approx(reduce - backward, rel=1e-9), m
+        exposed[m] = got["dp_comm_s"]
+    assert exposed[1] == pytest.approx(exposed[16], rel=1e-9)
+
+
 @pytest.mark.parametrize("axis,layout", [
     ("tp_comm_s", dict(tp=8)),                                   # tp ranks adjacent: a group spans tp
     ("cp_comm_s", dict(tp=4, cp=2)),                             # cp ranks tp apart: spans tp x cp

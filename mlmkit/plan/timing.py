@@ -606,7 +606,7 @@ def predict(model: Union[GPTConfig, str], hw: Hardware, layout: Layout, *, globa
         gather = (_ring("all_gather", dense / lp * E, replicas, dp_bw, hw.latency_s)
                   + _ring("all_gather", expert / lp * E, expert_dp, edp_bw, hw.latency_s))
         zero3_exposed = m * lp * (max(0.0, gather - f_layer) + max(0.0, gather - b_layer))
-    dp_exposed = max(0.0, reduce - Bs / max(1, m) * 1.0) + zero3_exposed
+    dp_exposed = max(0.0, reduce - Bs) + zero3_exposed
     local = dense / (replicas if L.zero >= 1 else 1) + expert / (expert_dp if L.zero >= 1 else 1)
     optimizer = local * ADAM_BYTES_PER_PARAM / hw.hbm_bandwidth
     step = busy + bubble + dp_exposed + optimizer
