@@ -174,6 +174,25 @@ def test_megatron_gradient_reduction_hides_behind_the_last_microbatchs_backward(
     assert exposed[1] == pytest.approx(exposed[16], rel=1e-9)
 
 
+def test_megatron_hides_zero3_gathers_and_the_cp_ring_behind_compute_and_streams_adam_state():
+    # ZeRO-3 gathers a layer's parameters while the layer before it computes, and context
+    # parallelism passes key/value blocks while attention computes: on a GPU whose compute is slow
+    # both are hidden (nothing exposed); with compute free they are exposed whole
+    model = GPTConfig(vocab_size=1024, seq_len=512, hidden=256, heads=8, kv_heads=2, layers=8)
+    slow = replace(WIRE, peak_tflops=1.0)
+    for layout, axis in ((Layout(dp=4, zero=3, micro_batch_size=1), "dp_comm_s"), (Layout(cp=4, zero=0), "cp_comm_s")):
+        hidden = predict(model, slow, layout, global_batch_size=16)
+        exposed = predict(model, WIRE, layout, global_batch_size=16)
+        assert hidden[axis] == 0 and exposed[axis] > 0, (layout, hidden[axis], exposed[axis])
+    # the optimizer streams 32 bytes of AdamW state and master weights per local parameter through
+    # HBM: every parameter on each rank without ZeRO, a 1/dp share with it
+    n = _gpt_parameters(model)
+    hbm = replace(WIRE, hbm_bandwidth=1e9)
+    for zero, local in ((0, n), (1, n / 4), (3, n / 4)):
+        got = predict(model, hbm, Layout(dp=4, zero=zero, micro_batch_size=1), global_batch_size=16)
+        assert got["optimizer_s"] == pytest.approx(32 * local / 1e9, rel=1e-9), zero
+
+
 @pytest.mark.parametrize("axis,layout", [
     ("tp_comm_s", dict(tp=8)),                                   # tp ranks adjacent: a group spans tp
     ("cp_comm_s", dict(tp=4, cp=2)),                             # cp ranks tp apart: spans tp x cp
