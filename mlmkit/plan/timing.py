@@ -176,13 +176,6 @@ class Layout:
 
 
 @functools.lru_cache(maxsize=4096)
-def _stage_parameters(model: GPTConfig, t: int, p: int, v: int, sp: bool) -> int:
-    """Parameters of the largest pipeline stage (first or last: embedding, head), per GPU, every
-    expert included (``ep = 1``; :func:`_stage_split` divides them over ``ep``)."""
-    return sum(_stage_split(model, t, p, v, sp, 1))
-
-
-@functools.lru_cache(maxsize=4096)
 def _stage_split(model: GPTConfig, t: int, p: int, v: int, sp: bool, ep: int) -> tuple:
     """``(dense, expert)`` parameters per GPU of the largest pipeline stage (first or last), the
     experts split over ``ep`` ranks (whole experts, ``expert_tp = 1``)."""
@@ -306,7 +299,8 @@ def mlmkit_collectives(model: GPTConfig, layout: "Layout", *, seq_len: Optional[
     forward's collectives again in backward. Per microbatch: the embedding's reduction (first
     stage), the head's and the vocab-parallel loss's three fp32 ``[s, b]`` all-reduces (last
     stage); ZeRO-3's all-gather of each unit before its forward and its backward. Per step: the
-    sequence-parallel parameters' and replicated key/value heads' gradient sums (per model chunk),
+    sequence-parallel parameters' and replicated key/value heads' gradient sums (per model chunk;
+    with ZeRO-2/3 per layer, in its backward, unless the backward is split, and the rest per chunk),
     the data-parallel gradient reduction (:func:`mlmkit.estimate.comm.gradient_messages`; ZeRO-2/3
     per unit), the tied embedding's sum between first and last stage, the loss and gradient norm
     over the world. Context and expert parallelism are not covered (:func:`check_mlmkit_runtime`)."""
@@ -475,26 +469,30 @@ def _predict_mlmkit(model: GPTConfig, hw: Hardware, L: Layout, *, m: int, s: int
     # microbatch, plus the pipeline's fill and drain
     path = m * v + (p - 1)
     tp_wait = path * (wait_f + wait_b) + m * per_mb
-    # once per step, on the end stage with more parameters: the sequence-parallel gradient sums, the
-    # gradient reduction over dp (ZeRO-3: per unit, its reduce-scatter after the unit's backward, its
-    # gathers before each forward and backward), the tied embedding between first and last stage, the
-    # loss and gradient-norm all-reduces over the world; the optimizer on every rank at once
+    # once per step, on the end stage whose collectives take longest: the sequence-parallel gradient
+    # sums, the gradient reduction over dp (ZeRO-3: per unit, its reduce-scatter after the unit's
+    # backward, its gathers before each forward and backward), the tied embedding between first and
+    # last stage, the loss and gradient-norm all-reduces over the world; the optimizer on every rank
     tensors = len(_stage_tensors(model, t, p, v, sp))
     replicas = d * cp
-    big = max(ends, key=lambda r: sum(q.numel for q in local_parameters(model, Topology(tp=t, pp=p), pp_rank=r,
-                                                                         chunks=v, sequence_parallel=sp)))
-    per_step = [x for x in ends[big] if x.per == "step"]
-    unit_rs = [x for x in per_step if L.zero == 3 and x.op == "reduce_scatter"]
-    gathers = [x for x in ends[big] if x.per == "microbatch" and x.axis == "dp"]
-    # the step's collectives one after the other: the first after the last backward (its gap), each
-    # next right after the one before (no work between: the shortest measured gap)
-    chain = [x for x in per_step if x not in unit_rs]
-    first = {id(chain[0]): coll(chain[0].op, chain[0].nbytes, chain[0].ranks, bw, B[0])
-             - coll(chain[0].op, chain[0].nbytes, chain[0].ranks, bw, 0.0)} if chain else {}
-    tp_wait += sum(priced([x], 0.0) + first.get(id(x), 0.0) for x in chain if x.axis == "tp")
-    dp = (sum(priced([x], 0.0) + first.get(id(x), 0.0) for x in chain if x.axis != "tp") + priced(unit_rs, b_work)
-          + m * priced([x for x in gathers if x.phase == "forward"], f_work)
-          + m * priced([x for x in gathers if x.phase == "backward"], b_work))
+
+    def once_per_step(r: int) -> tuple[float, float]:
+        per_step = [x for x in ends[r] if x.per == "step"]
+        unit_rs = [x for x in per_step if L.zero == 3 and x.op == "reduce_scatter"]
+        gathers = [x for x in ends[r] if x.per == "microbatch" and x.axis == "dp"]
+        # one after the other: the first after the last backward (its gap), each next right after the
+        # one before (no work between: the shortest measured gap)
+        chain = [x for x in per_step if x not in unit_rs]
+        first = {id(chain[0]): coll(chain[0].op, chain[0].nbytes, chain[0].ranks, bw, B[0])
+                 - coll(chain[0].op, chain[0].nbytes, chain[0].ranks, bw, 0.0)} if chain else {}
+        tp_part = sum(priced([x], 0.0) + first.get(id(x), 0.0) for x in chain if x.axis == "tp")
+        dp_part = (sum(priced([x], 0.0) + first.get(id(x), 0.0) for x in chain if x.axis != "tp")
+                   + priced(unit_rs, b_work) + m * priced([x for x in gathers if x.phase == "forward"], f_work)
+                   + m * priced([x for x in gathers if x.phase == "backward"], b_work))
+        return tp_part, dp_part
+
+    tp_step, dp = max((once_per_step(r) for r in sorted(ends)), key=sum)
+    tp_wait += tp_step
     world = t * cp * p * d
     opt_ops = OPS["step"] + tensors * (OPS["optimizer_per_tensor"] + (OPS["dp_per_tensor"] if replicas > 1 else 0))
     optimizer = opt_ops * c * (max(1.0, world / cores) if cores is not None else 1.0)
