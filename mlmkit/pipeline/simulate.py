@@ -569,6 +569,7 @@ def simulate(schedule: Schedule, costs: Union[Costs, Mapping[str, object]], *,
 
     ``cores``: the ranks share this many processors (:func:`shared_run`); ``None``: each rank has
     its own (one GPU per rank)."""
+    import numpy as np
     import pandas as pd
 
     from mlmkit.pipeline.validate import validate
@@ -595,7 +596,10 @@ def simulate(schedule: Schedule, costs: Union[Costs, Mapping[str, object]], *,
     else:
         cols, per_rank_busy, step = _tagged_compute_run(schedule, costs)
         busy = dict(enumerate(per_rank_busy))
-    timeline = pd.DataFrame(cols)
+    n = len(cols["rank"])
+    # numeric columns through numpy (a quarter of the time pandas takes to infer them from lists)
+    timeline = pd.DataFrame({k: (np.fromiter(v, dtype=np.float64 if k in ("start", "end") else np.int64, count=n)
+                                 if k != "action" and n else v) for k, v in cols.items()})
     total_busy = sum(busy.values())
     per_rank = {r: (1.0 - busy[r] / step) if step else 0.0 for r in busy}
     fraction = (1.0 - total_busy / (schedule.stages * step)) if step else 0.0
