@@ -733,7 +733,10 @@ class Cluster:
                     try:
                         results[r] = ar.get(0)
                     except Exception as err:  # noqa: BLE001 - RemoteError, or EngineError when it died
-                        if type(err).__name__ == "EngineError" or not self._engine_alive(r):
+                        # ipyparallel reports an engine it lost as a RemoteError named EngineError (its
+                        # stranded tasks): dead, even if its process has not exited yet
+                        if "EngineError" in (type(err).__name__, getattr(err, "ename", None)) \
+                                or not self._engine_alive(r):
                             dead.add(r)
                         elif isinstance(err, RemoteError):
                             failures[r] = (time.monotonic(), _remote_text(err))
