@@ -478,15 +478,17 @@ def _predict_mlmkit(model: GPTConfig, hw: Hardware, L: Layout, *, m: int, s: int
 
     def once_per_step(r: int) -> tuple[float, float]:
         per_step = [x for x in ends[r] if x.per == "step"]
-        unit_rs = [x for x in per_step if L.zero == 3 and x.op == "reduce_scatter"]
+        unit_rs = [x for x in per_step if L.zero == 3 and x.op == "reduce_scatter"]   # in the backward
+        chain = [x for x in per_step if not (L.zero == 3 and x.op == "reduce_scatter")]
         gathers = [x for x in ends[r] if x.per == "microbatch" and x.axis == "dp"]
         # one after the other: the first after the last backward (its gap), each next right after the
         # one before (no work between: the shortest measured gap)
-        chain = [x for x in per_step if x not in unit_rs]
-        first = {id(chain[0]): coll(chain[0].op, chain[0].nbytes, chain[0].ranks, bw, B[0])
-                 - coll(chain[0].op, chain[0].nbytes, chain[0].ranks, bw, 0.0)} if chain else {}
-        tp_part = sum(priced([x], 0.0) + first.get(id(x), 0.0) for x in chain if x.axis == "tp")
-        dp_part = (sum(priced([x], 0.0) + first.get(id(x), 0.0) for x in chain if x.axis != "tp")
+        cost = [priced([x], 0.0) for x in chain]
+        if chain:
+            x = chain[0]
+            cost[0] += coll(x.op, x.nbytes, x.ranks, bw, B[0]) - coll(x.op, x.nbytes, x.ranks, bw, 0.0)
+        tp_part = sum(k for x, k in zip(chain, cost) if x.axis == "tp")
+        dp_part = (sum(k for x, k in zip(chain, cost) if x.axis != "tp")
                    + priced(unit_rs, b_work) + m * priced([x for x in gathers if x.phase == "forward"], f_work)
                    + m * priced([x for x in gathers if x.phase == "backward"], b_work))
         return tp_part, dp_part
