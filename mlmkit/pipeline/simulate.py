@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass, fields
 from typing import AbstractSet, Iterable, Mapping, Optional, Sequence, Union
 
-from mlmkit.pipeline.schedule import Action, Schedule, ScheduleError
+from mlmkit.pipeline.schedule import COMPUTE, Action, Schedule, ScheduleError
 
 __all__ = ["ActionCosts", "Costs", "SimResult", "calibrate", "dry_run", "replay", "shared_run", "simulate"]
 
@@ -378,26 +378,27 @@ def _tagged_compute_run(schedule: Schedule, costs: Costs) -> tuple[dict, list, f
     with each message named by one integer (its identity: sending virtual stage, microbatch,
     activation or gradient) in one table, and the timeline built as columns. Returns (columns,
     busy time per rank, step time); raises :class:`ScheduleError` like :func:`dry_run`."""
-    p, m = schedule.stages, schedule.microbatches
+    p, m, v = schedule.stages, schedule.microbatches, schedule.chunks
     hop = costs.message_time()
-    vs = schedule.virtual_stage
-    plans, duration = [], _durations(schedule, costs)
+    # ActionCosts (or any Costs with a duration of its own) may give each microbatch its own time
+    per_action = type(costs).duration is not Costs.duration
+    # Per rank, kind -> (code, one value per chunk), read once per action in the loop below:
+    # code 0 sends and 1 receives the message named value + 2 * microbatch, code 2 computes for
+    # the value's time, code 3 for the action's own time.
+    tables = []
     for r in range(p):
-        plan = []
-        for i, a in enumerate(schedule.actions[r]):
-            kind = a.kind
-            if kind == "SEND_ACT":
-                plan.append((0, (vs(r, a.chunk) * m + a.microbatch) * 2, i))
-            elif kind == "SEND_GRAD":
-                plan.append((0, (vs(r, a.chunk) * m + a.microbatch) * 2 + 1, i))
-            elif kind == "RECV_ACT":
-                plan.append((1, ((vs(r, a.chunk) - 1) * m + a.microbatch) * 2, i))
-            elif kind == "RECV_GRAD":
-                plan.append((1, ((vs(r, a.chunk) + 1) * m + a.microbatch) * 2 + 1, i))
-            else:
-                plan.append((2, duration(r, a), i))
-        plans.append(plan)
+        vs = [schedule.virtual_stage(r, c) for c in range(v)]
+        table = {"SEND_ACT": (0, [2 * m * vs[c] for c in range(v)]),
+                 "SEND_GRAD": (0, [2 * m * vs[c] + 1 for c in range(v)]),
+                 "RECV_ACT": (1, [2 * m * (vs[c] - 1) for c in range(v)]),
+                 "RECV_GRAD": (1, [2 * m * (vs[c] + 1) + 1 for c in range(v)])}
+        for kind in COMPUTE:
+            table[kind] = (3, None) if per_action else (
+                2, [costs.duration(schedule, r, Action(kind, 0, c)) for c in range(v)])
+        tables.append(table)
     ranks, kinds, mbs, chunks, starts, ends = [], [], [], [], [], []
+    add_rank, add_kind, add_mb, add_chunk = ranks.append, kinds.append, mbs.append, chunks.append
+    add_start, add_end = starts.append, ends.append
     busy = [0.0] * p
     idx, clock = [0] * p, [0.0] * p
     sent: dict[int, float] = {}
@@ -405,27 +406,30 @@ def _tagged_compute_run(schedule: Schedule, costs: Costs) -> tuple[dict, list, f
     ready = deque(range(p))
     while ready:
         r = ready.popleft()
-        plan, acts = plans[r], schedule.actions[r]
-        i, t, n = idx[r], clock[r], len(plan)
+        acts, table = schedule.actions[r], tables[r]
+        i, t, n = idx[r], clock[r], len(acts)
         work = 0.0
         while i < n:
-            code, x, j = plan[i]
-            if code == 2:
-                a = acts[j]
-                ranks.append(r)
-                kinds.append(a.kind)
-                mbs.append(a.microbatch)
-                chunks.append(a.chunk)
-                starts.append(t)
+            kind, mb, c, _ = acts[i]
+            code, values = table[kind]
+            if code >= 2:
+                x = values[c] if code == 2 else costs.duration(schedule, r, acts[i])
+                add_rank(r)
+                add_kind(kind)
+                add_mb(mb)
+                add_chunk(c)
+                add_start(t)
                 t += x
-                ends.append(t)
+                add_end(t)
                 work += x
             elif code == 0:
+                x = values[c] + 2 * mb
                 sent[x] = t + hop
                 woken = waiting.pop(x, None)
                 if woken is not None:
                     ready.append(woken)
             else:
+                x = values[c] + 2 * mb
                 arrival = sent.pop(x, None)
                 if arrival is None:
                     waiting[x] = r
@@ -435,7 +439,7 @@ def _tagged_compute_run(schedule: Schedule, costs: Costs) -> tuple[dict, list, f
             i += 1
         idx[r], clock[r] = i, t
         busy[r] += work
-    if any(idx[r] < len(plans[r]) for r in range(p)) or sent:
+    if any(idx[r] < len(schedule.actions[r]) for r in range(p)) or sent:
         dry_run(schedule, costs)          # the reference engine names the deadlock or the lost message
         raise ScheduleError("the schedule does not run to its end")   # not reached: dry_run raised
     cols = {"rank": ranks, "action": kinds, "microbatch": mbs, "chunk": chunks, "start": starts, "end": ends}
@@ -491,11 +495,13 @@ def inflight_peaks(schedule: Schedule) -> dict[int, int]:
     peaks = {}
     for r in range(schedule.stages):
         held = peak = 0
-        for a in schedule.compute_actions(r):
-            if a.kind == "F":
+        for a in schedule.actions[r]:
+            kind = a[0]                       # a.kind, read as the tuple it is (a third of the time)
+            if kind == "F":
                 held += 1
-                peak = max(peak, held)
-            elif a.kind in ("B", "W"):
+                if held > peak:
+                    peak = held
+            elif kind == "B" or kind == "W":
                 held -= 1
         peaks[r] = peak
     return peaks
