@@ -109,6 +109,45 @@ def test_rank_that_dies_is_reported():
     assert "Extension modules" not in text, text
 
 
+def _imported_at_start(rank, world_size, names):
+    import sys
+
+    return {name: name in sys.modules for name in names}
+
+
+def test_ranks_start_with_the_trainer_and_the_preloaded_modules_imported():
+    # The forkserver imports PRELOAD once (the trainer), and what preload_in_ranks names from then
+    # on: a rank starts with them in sys.modules instead of importing them itself. Preloading while
+    # the forkserver runs restarts it with the longer list.
+    from mlmkit.distributed import preload_in_ranks
+    from mlmkit.distributed.launch import PRELOAD
+
+    names = ["mlmkit.train.trainer", "tabnanny"]      # tabnanny: a module nothing here imports
+    assert "mlmkit.train.trainer" in PRELOAD
+    before = run_ranks(_imported_at_start, world_size=2, args=(names,), timeout_s=60)
+    assert before == [{"mlmkit.train.trainer": True, "tabnanny": False}] * 2
+    assert preload_in_ranks(["tabnanny"])[-1] == "tabnanny"
+    assert preload_in_ranks(["tabnanny"]).count("tabnanny") == 1          # named once
+    after = run_ranks(_imported_at_start, world_size=2, args=(names,), timeout_s=60)
+    assert after == [{"mlmkit.train.trainer": True, "tabnanny": True}] * 2
+
+
+@pytest.mark.parametrize("modules,needle", [
+    ("tabnanny", "modules='tabnanny' must be a list of module names"),
+    (["no_such_module_xyz"], "module 'no_such_module_xyz' cannot be imported in this process (ModuleNotFoundError"),
+    ([""], "must be a list of module names"),
+])
+def test_preload_refuses_what_the_forkserver_could_not_import(modules, needle):
+    from mlmkit.distributed import preload_in_ranks
+    from mlmkit.distributed.launch import _PRELOADED
+
+    before = list(_PRELOADED)
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        preload_in_ranks(modules)
+    assert _PRELOADED == before
+    assert run_ranks(_sum_of_ranks, world_size=2, args=(1.0,), timeout_s=60) == [(0, 1.0), (1, 1.0)]
+
+
 @pytest.mark.parametrize("kwargs,needle", [
     (dict(world_size=0), "world_size=0 must be an integer >= 1"),
     (dict(world_size=True), "world_size=True must be an integer >= 1"),

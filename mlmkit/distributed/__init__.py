@@ -3,7 +3,7 @@
 from mlmkit.distributed.calibrate import calibrate_local_cpu
 from mlmkit.distributed.comm_group import CommGroup
 from mlmkit.distributed.host_memory import keep_freed_memory
-from mlmkit.distributed.launch import RankFailure, RankTimeout, find_free_port, run_ranks
+from mlmkit.distributed.launch import RankFailure, RankTimeout, find_free_port, preload_in_ranks, run_ranks
 from mlmkit.distributed.process_groups import (
     ProcessGroups,
     default_backend,
@@ -13,5 +13,5 @@ from mlmkit.distributed.process_groups import (
 
 __all__ = [
     "CommGroup", "ProcessGroups", "calibrate_local_cpu", "RankFailure", "RankTimeout", "default_backend", "default_device",
-    "find_free_port", "init_distributed", "keep_freed_memory", "run_ranks",
+    "find_free_port", "init_distributed", "keep_freed_memory", "preload_in_ranks", "run_ranks",
 ]
