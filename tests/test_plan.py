@@ -750,6 +750,8 @@ TRACED_LAYOUTS = {
     "tp2 pp2 zb-h1 sp kv1 zero2": dict(tp=2, pp=2, schedule="zb-h1", sequence_parallel=True, zero=2, model=_LLAMA_KV1),
     "tp4 kv1 zero2": dict(tp=4, zero=2, model=_LLAMA_KV1),
     "pp2 dp2 zero3": dict(pp=2, dp=2, zero=3),
+    "pp2 dp2 gpipe full zero2": dict(pp=2, dp=2, schedule="gpipe", recompute="full", zero=2),
+    "tp2 pp2 dualpipev sp": dict(tp=2, pp=2, chunks=2, schedule="dualpipev", sequence_parallel=True),
 }
 
 
