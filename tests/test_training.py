@@ -748,15 +748,24 @@ def test_bad_train_configs_are_named(change, needle):
                                            "add --tp 1 --pp 1 --dp 1 --cp 1"),
                                           (["--pp", "1", "--dp", "4"], "world size 1 does not match "
                                            "Topology(tp=2, pp=1, dp=4)"),
-                                          (["--pp", "1", "--dp", "4"], "torchrun --nproc-per-node 8 ")])
+                                          (["--pp", "1", "--dp", "4"], "torchrun --nproc-per-node 8 "),
+                                          # torchrun's variables without its rendezvous address
+                                          ({"RANK": "0", "WORLD_SIZE": "4"}, "MASTER_ADDR and MASTER_PORT are "
+                                           "not set")])
 def test_bad_cli_flags_fail_before_any_process_group(flags, needle):
     # as a user's shell starts it: no launcher's variables (the suite may itself run under srun)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
                                                                         "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    out = subprocess.run([sys.executable, "-m", "mlmkit.train", *flags], capture_output=True, text=True, timeout=60,
-                         env=env)
+    if isinstance(flags, dict):          # a launcher's variables, no flags
+        env, flags = {**env, **flags}, []
+    # -X importtime lists every module imported: each refusal comes before torch (which takes
+    # seconds to import; the world size check once came after it)
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "mlmkit.train", *flags], capture_output=True,
+                         text=True, timeout=60, env=env)
     assert out.returncode != 0 and needle in out.stderr, out.stderr[-2000:]
+    imported = re.findall(r"^import time:.*\|\s*(\S+)$", out.stderr, re.M)
+    assert "mlmkit.train.config" in imported and "torch" not in imported, [m for m in imported if "torch" in m][:5]
 
 
 def test_a_batch_rank_dying_in_cpp_shows_where(tmp_path):

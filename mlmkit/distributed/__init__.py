@@ -1,17 +1,36 @@
-"""Process groups built from a Topology, traced collectives, and a multi-process launcher."""
+"""Process groups built from a Topology, traced collectives, and a multi-process launcher.
 
-from mlmkit.distributed.calibrate import calibrate_local_cpu
-from mlmkit.distributed.comm_group import CommGroup
-from mlmkit.distributed.host_memory import keep_freed_memory
-from mlmkit.distributed.launch import RankFailure, RankTimeout, find_free_port, preload_in_ranks, run_ranks
-from mlmkit.distributed.process_groups import (
-    ProcessGroups,
-    default_backend,
-    default_device,
-    init_distributed,
-)
+The names below are loaded on first use (PEP 562): ``mlmkit.distributed.rendezvous`` (what a batch
+job's launcher set: world size, rank, master address) imports without torch, so
+``python -m mlmkit.train`` refuses a world size that does not fit the config before it spends
+seconds importing torch.
+"""
+
+import importlib
 
 __all__ = [
     "CommGroup", "ProcessGroups", "calibrate_local_cpu", "RankFailure", "RankTimeout", "default_backend", "default_device",
     "find_free_port", "init_distributed", "keep_freed_memory", "preload_in_ranks", "run_ranks",
 ]
+
+# name -> the submodule that defines it
+_HOME = {
+    "calibrate_local_cpu": "calibrate",
+    "CommGroup": "comm_group",
+    "keep_freed_memory": "host_memory",
+    **{name: "launch" for name in ("RankFailure", "RankTimeout", "find_free_port", "preload_in_ranks", "run_ranks")},
+    **{name: "process_groups" for name in ("ProcessGroups", "default_backend", "default_device", "init_distributed")},
+}
+
+
+def __getattr__(name):
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'mlmkit.distributed' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"mlmkit.distributed.{home}"), name)
+    globals()[name] = value            # later lookups skip this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

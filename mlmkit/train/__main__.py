@@ -206,14 +206,7 @@ def main(argv=None) -> int:
     # A rank that dies in C++ (an abort in a library, a segfault) prints every thread's Python stack
     # on stderr, which torchrun and Slurm keep; otherwise the job log says only "Signal 6".
     faulthandler.enable(all_threads=True)
-    import torch
-
-    from mlmkit.distributed import ProcessGroups, init_distributed
-    from mlmkit.distributed.host_memory import keep_freed_memory
-    from mlmkit.train.checkpoint import load_checkpoint, save_checkpoint
-    from mlmkit.train.trainer import Trainer
-
-    from mlmkit.distributed.rendezvous import job_env
+    from mlmkit.distributed.rendezvous import job_env    # no torch: the check below comes first
 
     job = job_env()
     world, rank = job.world_size, job.rank
@@ -225,12 +218,20 @@ def main(argv=None) -> int:
             f" (started by {job.launcher}: set {how} to {cfg.topology.world_size})" if how else
             f" (without torchrun or srun there is 1 process: run it as torchrun --nproc-per-node "
             f"{cfg.topology.world_size} -m mlmkit.train ..., or add --tp 1 --pp 1 --dp 1 --cp 1)")) from None
-    if job.launcher == "none" or world == 1 and job.master_addr is None:
+    single = job.launcher == "none" or world == 1 and job.master_addr is None
+    if not single and (job.master_addr is None or job.master_port is None):
+        raise SystemExit("python -m mlmkit.train: MASTER_ADDR and MASTER_PORT are not set; under Slurm the batch "
+                         "script exports them (cluster/slurm_train.sbatch: python -m mlmkit.distributed.rendezvous)")
+    import torch
+
+    from mlmkit.distributed import ProcessGroups, init_distributed
+    from mlmkit.distributed.host_memory import keep_freed_memory
+    from mlmkit.train.checkpoint import load_checkpoint, save_checkpoint
+    from mlmkit.train.trainer import Trainer
+
+    if single:
         groups = ProcessGroups.single()
     else:
-        if job.master_addr is None or job.master_port is None:
-            raise SystemExit("python -m mlmkit.train: MASTER_ADDR and MASTER_PORT are not set; under Slurm the batch "
-                             "script exports them (cluster/slurm_train.sbatch: python -m mlmkit.distributed.rendezvous)")
         if job.launcher == "torchrun":
             init_distributed(rank=rank, world_size=world, init_method="env://")
         else:     # srun: mlmkit's own store, bound to the master address only
