@@ -19,9 +19,11 @@ F, and the split backward's I and W, or the full B); the per-action CPU overhead
 wall time); a measured point-to-point latency; and the machine's core count (``simulate(...,
 cores=)``: 4 ranks on 2 cores share them). The simulated step is compared with the measured one for
 every mlmkit row. Each case runs three windows in a row, each its paired steps followed by a
-calibration, and the simulation's ratio is the median of the windows' (a machine shared with other
-virtual machines changes speed from minute to minute; a calibration made in a fast spell set
-against steps measured in a slow one erred by 25% in an earlier run).
+calibration, then one more set of paired steps; each calibration is set against the median of the
+steps right before and right after it, and the simulation's ratio is the median of the windows' (a
+machine shared with other virtual machines changes speed from minute to minute; a calibration made
+in a fast spell set against steps measured in a slow one erred by 25% in an earlier run, and with
+the steps before it only, two of three runs on one day missed one row by 17%).
 
 For zb-h1 against 1f1b the table also gives the CPU time of all ranks per step and the cores' idle
 time (cores x step - CPU): what a zero-bubble schedule fills, and what its split backward costs;
@@ -183,6 +185,11 @@ def _rank(rank, world_size, name, m, reps, versus, windows, config=None, calibra
                 base_costs = measure_overhead(base_ex, base_costs, tokens, targets)
             latency = _p2p_latency(groups, (cfg.seq_len, MB, cfg.hidden))
         out.append((t_ours, t_theirs, c_ours, c_theirs, costs, latency, base_costs))
+    if calibrate:       # steps after the last calibration too: each calibration has steps on both sides
+        for times in cpu.values():
+            times.clear()
+        t_ours, t_theirs = alternate(step_ours, step_theirs, reps, warmup=0)
+        out.append((t_ours, t_theirs, list(cpu["ours"]), list(cpu["theirs"]), None, None, None))
     return out, schedule
 
 
@@ -205,18 +212,22 @@ def run(quick: bool = False) -> list[Row]:
             steps = {"ours": [], "theirs": []}
             cpu = {"ours": [], "theirs": []}
             sims, measured = [], []
-            for w in range(windows):
+            for w in range(len(res[0][0])):                         # the windows, then the last steps
                 win = [r[0][w] for r in res]                         # win[rank]
                 for side, k in (("ours", 0), ("theirs", 1)):
                     steps[side] += [max(r[k][i] for r in win) for i in range(reps)]   # the slowest rank's
                     cpu[side] += [sum(r[k + 2][i] for r in win) for i in range(reps)]  # all ranks' CPU
-                calibrated = replace(win[0][4], p2p_latency=win[0][5])
+                if w == 0:
+                    continue
+                # window w - 1's calibration against the steps on both sides of it (its own, then w's)
+                before = [r[0][w - 1] for r in res]
+                calibrated = replace(before[0][4], p2p_latency=before[0][5])
                 sims.append(simulate(schedule, calibrated, cores=cores).step_time)
-                measured.append(median(steps["ours"][-reps:]))
+                measured.append(median(steps["ours"][-2 * reps:]))
                 if name == "zb-h1":
                     base = make_schedule(versus, stages=pp, microbatches=m)
                     one_core.append((simulate(schedule, calibrated).step_time,
-                                     simulate(base, replace(win[0][6], p2p_latency=win[0][5])).step_time))
+                                     simulate(base, replace(before[0][6], p2p_latency=before[0][5])).step_time))
             ours, theirs, ratio = paired(steps["ours"], steps["theirs"])
             what = "pipeline step vs torch.distributed.pipelining" if versus == "torch" else f"{name} step vs {versus}"
             against = TORCH_CLASS.get(name, "") if versus == "torch" else f"mlmkit {versus}"
@@ -235,8 +246,8 @@ def run(quick: bool = False) -> list[Row]:
             err = abs(sim_ratio - 1)
             note = f"error {err:.1%}"
             if windows > 1:
-                note += (f"; median of {windows} windows, each its steps then a calibration; measured spread "
-                         f"{max(measured) / min(measured):.2f}x")
+                note += (f"; median of {windows} windows, each a calibration against the steps before and after it; "
+                         f"measured spread {max(measured) / min(measured):.2f}x")
             rows.append(Row("simulated vs measured step (calibrated)", f"{name}, pp={pp}, m={m}, {cores} cores",
                             median(sims) * 1e3, median(measured) * 1e3, "ms", "within 15%",
                             err <= 0.15, ratio=sim_ratio, note=note))
