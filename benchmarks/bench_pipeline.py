@@ -212,6 +212,7 @@ def run(quick: bool = False) -> list[Row]:
             steps = {"ours": [], "theirs": []}
             cpu = {"ours": [], "theirs": []}
             sims, measured = [], []
+            base = make_schedule(versus, stages=pp, microbatches=m) if name == "zb-h1" else None
             for w in range(len(res[0][0])):                         # the windows, then the last steps
                 win = [r[0][w] for r in res]                         # win[rank]
                 for side, k in (("ours", 0), ("theirs", 1)):
@@ -224,8 +225,7 @@ def run(quick: bool = False) -> list[Row]:
                 calibrated = replace(before[0][4], p2p_latency=before[0][5])
                 sims.append(simulate(schedule, calibrated, cores=cores).step_time)
                 measured.append(median(steps["ours"][-2 * reps:]))
-                if name == "zb-h1":
-                    base = make_schedule(versus, stages=pp, microbatches=m)
+                if base is not None:
                     one_core.append((simulate(schedule, calibrated).step_time,
                                      simulate(base, replace(before[0][6], p2p_latency=before[0][5])).step_time))
             ours, theirs, ratio = paired(steps["ours"], steps["theirs"])

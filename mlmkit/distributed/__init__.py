@@ -8,12 +8,7 @@ seconds importing torch.
 
 import importlib
 
-__all__ = [
-    "CommGroup", "ProcessGroups", "calibrate_local_cpu", "RankFailure", "RankTimeout", "default_backend", "default_device",
-    "find_free_port", "init_distributed", "keep_freed_memory", "preload_in_ranks", "run_ranks",
-]
-
-# name -> the submodule that defines it
+# the public names -> the submodule that defines each
 _HOME = {
     "calibrate_local_cpu": "calibrate",
     "CommGroup": "comm_group",
@@ -21,6 +16,8 @@ _HOME = {
     **{name: "launch" for name in ("RankFailure", "RankTimeout", "find_free_port", "preload_in_ranks", "run_ranks")},
     **{name: "process_groups" for name in ("ProcessGroups", "default_backend", "default_device", "init_distributed")},
 }
+
+__all__ = list(_HOME)
 
 
 def __getattr__(name):
