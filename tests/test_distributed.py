@@ -159,6 +159,9 @@ def test_preload_refuses_what_the_forkserver_could_not_import(modules, needle):
     (dict(world_size=2, threads=0), "threads=0 must be an integer >= 1"),
     (dict(world_size=2, backend="Gloo"), "backend='Gloo': expected 'gloo', 'nccl' or None"),
     (dict(world_size=2, port_retries=-1), "port_retries=-1 must be an integer >= 0"),
+    # more CPU ranks than the memory holds (each a process with torch): refused, not started until
+    # the machine runs out of memory
+    (dict(world_size=100000, backend="gloo"), "world_size=100000 is more than this machine can run"),
 ])
 def test_bad_run_ranks_arguments_fail_before_any_process(kwargs, needle):
     import psutil

@@ -423,11 +423,13 @@ def test_custom_hardware_is_validated():
         assert needle in str(info.value), (field, value, str(info.value))
 
 
-def test_calibration_refuses_a_single_rank_before_starting_anything():
+def test_calibration_refuses_one_rank_or_more_than_the_machine_holds_before_starting_anything():
     from mlmkit.distributed import calibrate_local_cpu
 
     with pytest.raises(ValueError, match="ranks=1 must be an integer >= 2"):
         calibrate_local_cpu(1)
+    with pytest.raises(ValueError, match="ranks=100000 is more than this machine can run"):
+        calibrate_local_cpu(100000)
 
 
 def test_cli_json_and_constraints():
@@ -651,6 +653,10 @@ def test_layouts_and_predictions_refuse_what_they_cannot_be():
     (["--model", "quickstart", "--cp", "2"], "does not cover context or expert parallelism yet (cp=2, ep=1)"),
     (["--model", "mixtral-8x7b"], "does not cover mixtures of experts yet (experts=8)"),
     (["--model", "quickstart", "--gpus", "0"], "gpus=0 must be a positive integer"),
+    # local-cpu calibrates one process per rank: 1024 ranks on a laptop started processes until the
+    # memory ran out
+    (["--model", "quickstart", "--gpus", "100000"], "--gpus 100000 with --gpu local-cpu: local-cpu measures and "
+     "predicts runs of one process per rank on this machine, whose available memory holds at most"),
     (["--model", "quickstart", "--micro-batch-size", "0"], "micro_batch_size=0 must be a positive integer"),
     (["--model", "quickstart", "--seq-len", "0"], "seq_len=0 must be a positive integer"),
     (["--model", "quickstart", "--top", "-2"], "top=-2 must be a positive integer"),

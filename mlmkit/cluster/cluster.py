@@ -57,6 +57,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from mlmkit.cluster import engine as remote
 from mlmkit.cluster.reaper import start_token, write_pids
+from mlmkit.distributed.launch import MAX_LOCAL_RANKS, RANK_BYTES, max_local_ranks
 from mlmkit.topology import Topology
 
 __all__ = ["Cluster", "EngineDied", "RankError", "RankTimeout", "alive", "max_local_engines"]
@@ -66,10 +67,9 @@ __all__ = ["Cluster", "EngineDied", "RankError", "RankTimeout", "alive", "max_lo
 _STARTED: set = set()
 
 STATE = "mlmkit_rank"   # name of the EngineState in each engine's namespace
-#: Memory one CPU engine takes with torch imported (measured ~0.3 GiB RSS), with headroom.
-ENGINE_BYTES = 400 * 2**20
-#: Never more local CPU engines than this, whatever the memory.
-MAX_LOCAL_ENGINES = 64
+#: Memory one CPU engine takes with torch imported, and the most local CPU engines whatever the
+#: memory: a CPU rank's, as for :func:`mlmkit.distributed.run_ranks`.
+ENGINE_BYTES, MAX_LOCAL_ENGINES = RANK_BYTES, MAX_LOCAL_RANKS
 
 
 def _where(rank: int, stack: str, label: str = "") -> str:
@@ -116,11 +116,9 @@ def _profile_source(profile: str) -> Optional[Path]:
 
 
 def max_local_engines() -> int:
-    """How many CPU engines this machine can hold: its available memory / :data:`ENGINE_BYTES`,
-    at most :data:`MAX_LOCAL_ENGINES` (several engines may share a core: keep models tiny)."""
-    import psutil
-
-    return max(1, min(MAX_LOCAL_ENGINES, int(psutil.virtual_memory().available // ENGINE_BYTES)))
+    """How many CPU engines this machine can hold (:func:`mlmkit.distributed.launch.max_local_ranks`:
+    its available memory / :data:`ENGINE_BYTES`, at most :data:`MAX_LOCAL_ENGINES`)."""
+    return max_local_ranks()
 
 
 #: The longest a wait sleeps before it looks again (a reply wakes it at once), and how often it

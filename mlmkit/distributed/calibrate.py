@@ -292,6 +292,12 @@ def calibrate_local_cpu(ranks: int = 4, *, quick: bool = False, repeats: Optiona
         ranks = cluster.world_size
     if isinstance(ranks, bool) or not isinstance(ranks, numbers.Integral) or ranks < 2:
         raise ValueError(f"calibrate_local_cpu: ranks={ranks!r} must be an integer >= 2 (collectives need peers)")
+    if cluster is None:
+        from mlmkit.distributed.launch import max_local_ranks
+
+        if ranks > max_local_ranks():
+            raise ValueError(f"calibrate_local_cpu: ranks={ranks} is more than this machine can run (at most "
+                             f"{max_local_ranks()} CPU ranks in its available memory); calibrate for fewer ranks")
     repeats = repeats or (1 if quick else 3)
     if cluster is not None:
         results = cluster.run(_on_engine, quick, repeats, timeout_s=timeout_s)

@@ -39,7 +39,23 @@ import time
 import traceback
 from typing import Any, Callable, Optional, Sequence
 
-__all__ = ["PRELOAD", "RankFailure", "RankTimeout", "find_free_port", "preload_in_ranks", "run_ranks"]
+__all__ = ["PRELOAD", "RankFailure", "RankTimeout", "find_free_port", "max_local_ranks", "preload_in_ranks",
+           "run_ranks"]
+
+#: Memory one CPU rank (a process with torch imported: a :func:`run_ranks` rank, a cluster engine)
+#: takes, measured ~0.3 GiB RSS, with headroom.
+RANK_BYTES = 400 * 2**20
+#: Never more CPU ranks on one machine than this, whatever the memory.
+MAX_LOCAL_RANKS = 64
+
+
+def max_local_ranks() -> int:
+    """How many CPU ranks (processes with torch) this machine can hold: its available memory /
+    :data:`RANK_BYTES`, at most :data:`MAX_LOCAL_RANKS` (several ranks may share a core: keep models
+    tiny). Imports no torch."""
+    import psutil
+
+    return max(1, min(MAX_LOCAL_RANKS, int(psutil.virtual_memory().available // RANK_BYTES)))
 
 #: What every rank imports anyway, imported once by the forkserver that forks the ranks: torch, its
 #: compiler front end (``torch.optim`` imports it on first use) and mlmkit's trainer (the model,
@@ -200,6 +216,17 @@ def run_ranks(fn: Callable[..., Any], *, world_size: int, args: tuple = (), kwar
         raise ValueError(f"run_ranks: port_retries={port_retries!r} must be an integer >= 0")
     kwargs = kwargs or {}
     world_size, threads = int(world_size), int(threads)
+    if backend != "nccl" and world_size > 1:
+        import torch
+
+        if backend == "gloo" or not torch.cuda.is_available():
+            limit = max_local_ranks()
+            if world_size > limit:
+                raise ValueError(
+                    f"run_ranks: world_size={world_size} is more than this machine can run: each CPU rank is a "
+                    f"process of about {RANK_BYTES / 2**30:.1f} GiB with torch loaded, and the available memory "
+                    f"holds {limit}. Use at most {limit} ranks here, or launch the job on several machines "
+                    f"(torchrun, Slurm).")
     for attempt in range(port_retries + 1):
         try:
             return _run_once(fn, world_size, args, kwargs, timeout_s,

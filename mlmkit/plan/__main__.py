@@ -112,6 +112,14 @@ def main(argv=None) -> int:
             check_request(gpus=args.gpus, global_batch_size=args.global_batch_size, seq_len=args.seq_len,
                           top=args.top, **constraints)
             check_mlmkit_runtime(model, cp=args.cp, ep=args.ep)
+            from mlmkit.distributed.launch import max_local_ranks     # imports no torch
+
+            limit = max_local_ranks()
+            if args.gpus > limit:
+                raise ValueError(
+                    f"--gpus {args.gpus} with --gpu local-cpu: local-cpu measures and predicts runs of one process "
+                    f"per rank on this machine, whose available memory holds at most {limit} CPU ranks; plan for "
+                    f"at most {limit} ranks on local-cpu, or for GPUs with a preset (--gpu h100-sxm)")
             from mlmkit.distributed import calibrate_local_cpu
 
             print(f"calibrating local-cpu for {args.gpus} ranks ...", file=sys.stderr, flush=True)
