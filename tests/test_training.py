@@ -891,6 +891,11 @@ def test_files_a_run_reads_and_writes_are_checked_before_it_starts(tmp_path):
         (["--config", str(tmp_path / "none.json")],
          f"config file {tmp_path / 'none.json'} cannot be read: No such file"),
     ]
+    if os.path.isdir("/proc/self"):
+        # a folder whose permission bits let root write but that takes no new entry: the run failed at
+        # its end, when it saved
+        cases += [(["--save-dir", "/proc/mlmkit-x"], "--save-dir='/proc/mlmkit-x' cannot be created or written to"),
+                  (["--metrics-out", "/proc/m.csv"], "--metrics-out='/proc/m.csv' cannot be written")]
     for flags, needle in cases:
         out = subprocess.run([sys.executable, "-m", "mlmkit.train", "--config", str(config), "--steps", "1", *flags],
                              capture_output=True, text=True, timeout=120, cwd=str(tmp_path))

@@ -152,11 +152,21 @@ ARCHITECTURES = {
 
 
 def _writable_folder(path: str) -> bool:
-    """``path`` is a folder this process may create files in, or could be created as one."""
+    """``path`` is a folder this process may create files in, or could be created as one: its
+    nearest existing folder takes a new folder (tried, then removed). Permission bits alone said yes
+    to root for ``/proc`` and read-only mounts, and the run failed at its end, when it saved."""
+    import tempfile
+
     path = os.path.abspath(path)
     while not os.path.exists(path):
         path = os.path.dirname(path)
-    return os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
+    if not (os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)):
+        return False
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".mlmkit-probe-", dir=path))
+    except OSError:
+        return False
+    return True
 
 
 def check_paths(args, cfg: TrainConfig) -> None:
@@ -187,7 +197,7 @@ def check_paths(args, cfg: TrainConfig) -> None:
         parent = os.path.dirname(os.path.abspath(args.metrics_out))
         if not os.path.isdir(parent):
             raise ValueError(f"--metrics-out={args.metrics_out!r}: the folder {parent!r} does not exist")
-        if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(args.metrics_out)
+        if not _writable_folder(parent) or (os.path.exists(args.metrics_out)
                                                          and not os.access(args.metrics_out, os.W_OK)):
             raise ValueError(f"--metrics-out={args.metrics_out!r} cannot be written: give a writable file")
 
