@@ -172,6 +172,33 @@ def test_bad_run_ranks_arguments_fail_before_any_process(kwargs, needle):
     assert set(psutil.Process().children(recursive=True)) == before
 
 
+@pytest.mark.parametrize("gpus", [0, 1, 2])
+def test_ranks_get_a_gpu_each_or_run_on_the_cpu(monkeypatch, gpus):
+    # On a machine with fewer GPUs than ranks, nccl put two ranks on one GPU (NCCL fails in its
+    # set-up) and gloo ranks placed their tensors on the GPU (gloo's sends and reduce-scatters take
+    # CPU tensors): the tests could not run on a one-GPU workstation. The CUDA state is set here,
+    # the rule under test is mlmkit's (the CUDA path itself runs where a GPU is lent).
+    from mlmkit.distributed import default_device
+    from mlmkit.distributed.launch import _local_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    for world_size in (1, 2, 4):
+        want = "nccl" if world_size <= gpus else "gloo"
+        assert _local_backend(None, world_size) == want, (gpus, world_size)
+        assert _local_backend("gloo", world_size) == "gloo"
+        if world_size <= gpus:
+            assert _local_backend("nccl", world_size) == "nccl"
+        else:
+            needle = (f"backend='nccl' gives each rank a GPU of its own, and this machine has {gpus} GPU(s) for "
+                      f"world_size={world_size}: use at most {gpus} ranks, or backend='gloo'") if gpus else \
+                "backend='nccl' needs CUDA, which this machine does not have"
+            with pytest.raises(ValueError, match=re.escape(needle)):
+                run_ranks(_sum_of_ranks, world_size=world_size, backend="nccl", args=(1.0,))
+    assert default_device(0, backend="gloo") == torch.device("cpu")
+    assert default_device(1, backend="nccl").type == ("cuda" if gpus else "cpu")
+
+
 def _groups_and_collectives(rank, world_size, tp, pp, dp):
     topo = Topology(tp=tp, pp=pp, dp=dp)
     tracer = Tracer(rank=rank)

@@ -204,7 +204,8 @@ class Cluster:
         grace_s: after a rank failed (or Ctrl-C), how long the others get to finish before being killed
             (time this driver runs: a stall of the whole virtual machine does not use it up).
         threads: torch threads per CPU engine (default: cores of the host / engines on it).
-        backend: "gloo" or "nccl" (default: nccl with CUDA, else gloo).
+        backend: "gloo" (CPU engines, also on a machine with GPUs) or "nccl" (a GPU per engine);
+            default: nccl with CUDA, else gloo.
         engine_start_timeout_s: bound on starting the engines (their registration, torch's import and
             each rank's setup; also for replacement engines).
         scheduler_args: options for the engines' launcher: ``sbatch`` options with

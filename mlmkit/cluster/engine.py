@@ -93,7 +93,7 @@ class EngineState:
         self.local_rank, self.timeout_s = local_rank, timeout_s
         self.backend = backend or default_backend()
         os.environ["LOCAL_RANK"] = str(local_rank)
-        self.device = default_device(local_rank)
+        self.device = default_device(local_rank, backend=self.backend)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         else:

@@ -109,7 +109,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kw
             from mlmkit.distributed.process_groups import init_distributed
 
             torch.set_num_threads(threads)
-            if not torch.cuda.is_available():
+            if backend != "nccl":            # CPU ranks
                 keep_freed_memory()
             os.environ["LOCAL_RANK"] = str(rank)
             init_distributed(rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}",
@@ -190,7 +190,8 @@ def run_ranks(fn: Callable[..., Any], *, world_size: int, args: tuple = (), kwar
         timeout_s: bound on the whole run; ranks still running then are killed (RankTimeout).
         collective_timeout_s: torch.distributed timeout of the default group (default: timeout_s).
         threads: ``torch.set_num_threads`` in each rank (keep 1 when ranks share few cores).
-        backend: "gloo" or "nccl" (default: nccl when CUDA exists, else gloo).
+        backend: "gloo" (CPU ranks) or "nccl" (a GPU per rank); default: nccl when CUDA has a GPU
+            for every rank, else gloo on the CPU.
         port_retries: new ports to try when the rendezvous port was taken meanwhile.
     """
     # Checked before any process starts: a negative timeout killed every rank at once as hung,
@@ -216,17 +217,7 @@ def run_ranks(fn: Callable[..., Any], *, world_size: int, args: tuple = (), kwar
         raise ValueError(f"run_ranks: port_retries={port_retries!r} must be an integer >= 0")
     kwargs = kwargs or {}
     world_size, threads = int(world_size), int(threads)
-    if backend != "nccl" and world_size > 1:
-        import torch
-
-        if backend == "gloo" or not torch.cuda.is_available():
-            limit = max_local_ranks()
-            if world_size > limit:
-                raise ValueError(
-                    f"run_ranks: world_size={world_size} is more than this machine can run: each CPU rank is a "
-                    f"process of about {RANK_BYTES / 2**30:.1f} GiB with torch loaded, and the available memory "
-                    f"holds {limit}. Use at most {limit} ranks here, or launch the job on several machines "
-                    f"(torchrun, Slurm).")
+    backend = _local_backend(backend, world_size)
     for attempt in range(port_retries + 1):
         try:
             return _run_once(fn, world_size, args, kwargs, timeout_s,
@@ -236,6 +227,33 @@ def run_ranks(fn: Callable[..., Any], *, world_size: int, args: tuple = (), kwar
                 continue
             raise
     raise AssertionError("unreachable")
+
+
+def _local_backend(backend: Optional[str], world_size: int) -> str:
+    """The backend of ``world_size`` ranks on this machine, refused before any process starts where
+    the machine cannot hold them: nccl gives each rank a GPU of its own (two ranks on one GPU fail
+    in NCCL's set-up); gloo ranks run on the CPU, each a process with torch. ``None``: nccl where
+    CUDA has a GPU for every rank, else gloo on the CPU (the tests on a one-GPU machine)."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "nccl" and world_size > gpus:
+        raise ValueError(
+            f"run_ranks: backend='nccl' gives each rank a GPU of its own, and this machine has {gpus} GPU(s) "
+            f"for world_size={world_size}: use at most {gpus} ranks, or backend='gloo' (or None) to run the "
+            f"ranks on the CPU" if gpus else
+            "run_ranks: backend='nccl' needs CUDA, which this machine does not have; use backend='gloo' (or None)")
+    if backend is None:
+        backend = "nccl" if 0 < world_size <= gpus else "gloo"
+    if backend == "gloo" and world_size > 1:
+        limit = max_local_ranks()
+        if world_size > limit:
+            raise ValueError(
+                f"run_ranks: world_size={world_size} is more than this machine can run: each CPU rank is a "
+                f"process of about {RANK_BYTES / 2**30:.1f} GiB with torch loaded, and the available memory "
+                f"holds {limit}. Use at most {limit} ranks here, or launch the job on several machines "
+                f"(torchrun, Slurm).")
+    return backend
 
 
 def _run_once(fn, world_size, args, kwargs, timeout_s, collective_timeout_s, threads, backend):

@@ -28,9 +28,11 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def default_device(local_rank: int = 0) -> torch.device:
-    """One GPU per rank by local rank when CUDA exists, else the CPU."""
-    if torch.cuda.is_available():
+def default_device(local_rank: int = 0, *, backend: Optional[str] = None) -> torch.device:
+    """One GPU per rank by local rank when CUDA exists, else the CPU; the CPU for ranks joined by
+    gloo (``backend="gloo"``: a CPU run on a machine with GPUs, whose tensors gloo's point-to-point
+    messages and reduce-scatters could not take from a GPU)."""
+    if backend != "gloo" and torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
 
@@ -221,7 +223,7 @@ class ProcessGroups:
         world = CommGroup(axis="world", ranks=range(topology.world_size), global_rank=rank,
                           pg=dist.group.WORLD, tracer=tracer)
         if device is None:
-            device = default_device(int(os.environ.get("LOCAL_RANK", rank)))
+            device = default_device(int(os.environ.get("LOCAL_RANK", rank)), backend=dist.get_backend())
         return cls(topology=topology, rank=rank, coords=topology.coords(rank), world=world, device=device,
                    embedding=mine.pop("embedding", None), **mine)
 

@@ -242,6 +242,11 @@ def main(argv=None) -> int:
     if single:
         groups = ProcessGroups.single()
     else:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if 0 < gpus < job.local_world_size:       # NCCL: two ranks on one GPU fail in its set-up
+            raise SystemExit(f"python -m mlmkit.train: {job.local_world_size} ranks on this node but {gpus} GPU(s): "
+                             f"each rank takes a GPU of its own; start at most {gpus} per node (torchrun "
+                             f"--nproc-per-node {gpus}, or srun --ntasks-per-node {gpus})")
         if job.launcher == "torchrun":
             init_distributed(rank=rank, world_size=world, init_method="env://")
         else:     # srun: mlmkit's own store, bound to the master address only
