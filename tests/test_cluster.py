@@ -455,6 +455,28 @@ def test_bad_cluster_values_fail_before_any_process(kwargs, needle):
     assert set(psutil.Process().children(recursive=True)) == before
 
 
+@pytest.mark.parametrize("gpus", [1, 4])
+def test_a_cluster_with_fewer_gpus_than_engines_runs_them_on_the_cpu(monkeypatch, gpus):
+    # With one GPU, the notebooks' 4-rank clusters refused to start (each engine takes a GPU):
+    # without a backend they now run on the CPU with gloo and say so; backend='nccl' still refuses.
+    # The CUDA state is set here (the rule under test is mlmkit's); nothing is started.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    topology = Topology(tp=2, pp=2)
+    if gpus < topology.world_size:
+        with pytest.warns(UserWarning, match=r"Cluster: 4 engines and 1 GPU\(s\) here: the engines run on the CPU "
+                                             r"with gloo"):
+            c = Cluster(topology=topology)
+        assert (c.backend, c.fork_engines) == ("gloo", True)
+        with pytest.raises(ValueError, match=r"Cluster: 4 engines but this machine has 1 GPU\(s\); each engine takes "
+                                             r"one GPU with backend='nccl'"):
+            Cluster(topology=topology, backend="nccl")
+    else:
+        c = Cluster(topology=topology)
+        assert (c.backend, c.fork_engines) == (None, False)          # one GPU per engine, nccl
+    assert Cluster(topology=topology, backend="gloo").backend == "gloo"
+
+
 def test_stepping_a_microbatch_of_zero_bubble_does_not_wait_for_its_deferred_w(cluster):
     # zb-h1 defers the oldest microbatch's W to the drain (here the last action of rank 1): "one
     # microbatch" counting W ran the whole step in one press. It runs to the end of the oldest

@@ -264,7 +264,7 @@ class Cluster:
                              f"profile='local' (here {sys.platform!r}, profile={profile!r}); leave it None")
         cuda = False
         if profile == "local":
-            cuda = self._check_local_capacity(topology.world_size, backend)
+            cuda, backend = self._check_local_capacity(topology.world_size, backend)
         self.fork_engines = (profile == "local" and sys.platform.startswith("linux") and not cuda
                              if fork_engines is None else fork_engines)
         if profile == "mpi":
@@ -298,15 +298,24 @@ class Cluster:
         self._reaper = None
 
     @staticmethod
-    def _check_local_capacity(n: int, backend: Optional[str]) -> bool:
-        """Check that this machine can run ``n`` local engines; whether they use CUDA."""
+    def _check_local_capacity(n: int, backend: Optional[str]) -> tuple[bool, Optional[str]]:
+        """Check that this machine can run ``n`` local engines: whether they use CUDA, and the
+        backend. ``None`` with fewer GPUs than engines: gloo engines on the CPU (a warning says so;
+        a laptop's one GPU does not stop the notebooks' 4-rank clusters)."""
+        import warnings
+
         import torch
 
-        cuda = torch.cuda.is_available() and backend != "gloo"
-        if cuda and n > torch.cuda.device_count():
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if backend is None and 0 < gpus < n:
+            warnings.warn(f"Cluster: {n} engines and {gpus} GPU(s) here: the engines run on the CPU with gloo "
+                          f"(backend='nccl' requires a GPU per engine: at most {gpus} ranks)", stacklevel=3)
+            backend = "gloo"
+        cuda = gpus > 0 and backend != "gloo"
+        if cuda and n > gpus:
             raise ValueError(
-                f"Cluster: {n} engines but this machine has {torch.cuda.device_count()} GPU(s); each engine takes "
-                f"one GPU. Use a topology of at most {torch.cuda.device_count()} ranks, or backend='gloo' to run "
+                f"Cluster: {n} engines but this machine has {gpus} GPU(s); each engine takes one GPU with "
+                f"backend='nccl'. Use a topology of at most {gpus} ranks, or backend='gloo' (or None) to run "
                 f"the ranks on the CPU.")
         if backend == "nccl" and not torch.cuda.is_available():
             raise ValueError("Cluster: backend='nccl' needs CUDA, which this machine does not have; use "
@@ -318,7 +327,7 @@ class Cluster:
                     f"Cluster: n={n} engines is more than this machine can run: each CPU engine takes about "
                     f"{ENGINE_BYTES / 2**30:.1f} GiB with torch loaded, and the available memory holds {limit}. "
                     f"Use a topology of at most {limit} ranks, or a multi-node profile (profile='slurm').")
-        return cuda
+        return cuda, backend
 
     # ================================================================== lifecycle
     @property
