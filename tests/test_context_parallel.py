@@ -3,6 +3,7 @@ of the parity suite with cp against the serial model (GPT-2 and Llama blocks), t
 balance, traces and estimator, bad input."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -85,6 +86,24 @@ def test_balanced_split_gives_every_rank_the_same_attention_work(seq_len, cp):
         steps = ring_steps(seq_len, cp, r)
         assert [src for src, _ in steps] == [(r - j) % cp for j in range(cp)]
         assert all(sum(seg.pairs for seg in segs) == 2 * c * c for _, segs in steps[1:])
+
+
+@pytest.mark.parametrize("call", [
+    lambda: held_positions(8, 3, 0),            # 2*cp=6 chunks of 1: positions 6 and 7 were held by nobody
+    lambda: ring_steps(8, 3, 1),
+    lambda: attention_work(10, 4, "naive"),     # chunks of 2: the last 2 positions' work went uncounted
+    lambda: simulate_ring(8, 3, "balanced", layers=1, pair_time=1e-3, message_time=1e-3),
+])
+def test_a_sequence_that_does_not_divide_into_the_chunks_is_refused(call):
+    with pytest.raises(ValueError, match=r"context parallelism: seq_len=(8|10) is not divisible by (2\*cp=6|cp=4)"):
+        call()
+    for bad, needle in (((0, 2), "seq_len=0 must be an integer >= 1"), ((8, 0), "cp=0 must be an integer >= 1")):
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            held_positions(*bad, 0)
+    from mlmkit.viz import cp_split_figure
+
+    with pytest.raises(ValueError, match=r"seq_len=8 is not divisible by 2\*cp=6"):
+        cp_split_figure(8, 3)                    # drew positions 6 and 7 as rank 0's
 
 
 def test_simulated_ring_shows_the_naive_split_idle():

@@ -582,6 +582,14 @@ def test_activation_peaks_figure_shows_estimates_on_a_log_axis_with_units():
     assert "rank 0 measured" in names and "rank 1 estimated" in names
     est = next(t for t in fig.data if t.name == "rank 0 estimated")
     assert list(est.y) == [2.1, 0.05]
+    # a frame of another kind, or none, failed with KeyError: 'rank'
+    with pytest.raises(ValueError, match=r"activation_peaks_figure: the frame lacks 'variant', 'rank', 'measured MiB', "
+                                         r"'estimated MiB' \(its columns: \['x'\]\); expected one row per variant"):
+        activation_peaks_figure(pd.DataFrame({"x": [1]}))
+    with pytest.raises(ValueError, match=r"activation_peaks_figure: the frame has no rows"):
+        activation_peaks_figure(peaks.iloc[:0])
+    with pytest.raises(TypeError, match=r"activation_peaks_figure: expected a pandas DataFrame"):
+        activation_peaks_figure([1, 2])
 
 
 def test_memory_figure_labels_axes_and_keeps_peak_labels_clear():

@@ -20,6 +20,7 @@ together, ``full`` (no mask) or ``causal`` (mask by position).
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 __all__ = ["SPLITS", "Segment", "attention_work", "check_split", "chunk_count", "held_chunks",
@@ -39,6 +40,9 @@ def chunk_count(cp: int, split: str = "balanced") -> int:
 def check_split(seq_len: int, cp: int, split: str = "balanced", *, tp: int = 1, sequence_parallel: bool = False) -> None:
     """Raise ValueError unless ``seq_len`` divides into the chunks (and, with sequence parallelism,
     each rank's part divides by tp)."""
+    for name, value in (("seq_len", seq_len), ("cp", cp)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"context parallelism: {name}={value!r} must be an integer >= 1")
     n = chunk_count(cp, split)
     need = n * (tp if sequence_parallel and tp > 1 else 1)
     if seq_len % need:
@@ -60,7 +64,10 @@ def held_chunks(cp: int, rank: int, split: str = "balanced") -> tuple[int, ...]:
 
 
 def held_positions(seq_len: int, cp: int, rank: int, split: str = "balanced") -> list[int]:
-    """Sequence positions rank ``rank`` holds, in the order of its local sequence."""
+    """Sequence positions rank ``rank`` holds, in the order of its local sequence (ValueError
+    unless ``seq_len`` divides into the chunks: the positions past the last whole chunk were held
+    by nobody, silently)."""
+    check_split(seq_len, cp, split)
     n = chunk_count(cp, split)
     c = seq_len // n
     return [p for i in held_chunks(cp, rank, split) for p in range(i * c, (i + 1) * c)]
@@ -93,6 +100,7 @@ def ring_steps(seq_len: int, cp: int, rank: int, split: str = "balanced") -> lis
     the same chunk, not at all when it comes earlier. Blocks that form one full rectangle are
     merged into one segment; a step with a same-chunk block (step 0) is one causal segment over the
     whole local sequence (positions keep their order, so the position mask is exact)."""
+    check_split(seq_len, cp, split)
     n = chunk_count(cp, split)
     c = seq_len // n
     mine = _pieces(held_chunks(cp, rank, split), c)

@@ -37,6 +37,9 @@ TOPOLOGY = (("tp", "dp", "pp"),
 SHARDS = (("rank", "name", "local_shape", "global_shape", "split_dim"),
           "parameter shards: mlmkit.model.shard_table(model, rank=...) of every rank (e.g. cluster.run_frame(...))")
 
+PEAKS = (("variant", "rank", "measured MiB", "estimated MiB"),
+         "one row per variant and rank: its measured and estimated peak activations in MiB (as notebook 04 builds)")
+
 
 def require_columns(frame, spec, *, what: str) -> None:
     """ValueError (TypeError for no DataFrame) naming the columns ``frame`` lacks for ``what``:
@@ -392,6 +395,8 @@ def activation_peaks_figure(peaks: pd.DataFrame, *, title: str = "Peak activatio
 
     ``peaks``: columns ``variant``, ``rank``, ``measured MiB``, ``estimated MiB``.
     """
+    require_columns(peaks, PEAKS, what="activation_peaks_figure")
+    require_rows(peaks, what="activation_peaks_figure", why="give one row per variant and rank")
     fig = go.Figure()
     ranks = sorted(peaks["rank"].unique())
     for k, r in enumerate(ranks):
