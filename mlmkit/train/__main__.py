@@ -234,13 +234,13 @@ def main(argv=None) -> int:
                          "script exports them (cluster/slurm_train.sbatch: python -m mlmkit.distributed.rendezvous)")
     import torch
 
-    from mlmkit.distributed import ProcessGroups, init_distributed
+    from mlmkit.distributed import ProcessGroups, default_device, init_distributed
     from mlmkit.distributed.host_memory import keep_freed_memory
     from mlmkit.train.checkpoint import load_checkpoint, save_checkpoint
     from mlmkit.train.trainer import Trainer
 
-    if single:
-        groups = ProcessGroups.single()
+    if single:            # one process: the GPU where CUDA exists, as every rank of a larger run
+        groups = ProcessGroups.single(device=default_device(0))
     else:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if 0 < gpus < job.local_world_size:       # NCCL: two ranks on one GPU fail in its set-up
