@@ -57,7 +57,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from mlmkit.cluster import engine as remote
 from mlmkit.cluster.reaper import start_token, write_pids
-from mlmkit.distributed.launch import MAX_LOCAL_RANKS, RANK_BYTES, max_local_ranks
+from mlmkit.distributed.launch import MAX_LOCAL_RANKS, RANK_BYTES, local_gpus, max_local_ranks
 from mlmkit.topology import Topology
 
 __all__ = ["Cluster", "EngineDied", "RankError", "RankTimeout", "alive", "max_local_engines"]
@@ -304,9 +304,7 @@ class Cluster:
         a laptop's one GPU does not stop the notebooks' 4-rank clusters)."""
         import warnings
 
-        import torch
-
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        gpus = local_gpus()
         if backend is None and 0 < gpus < n:
             warnings.warn(f"Cluster: {n} engines and {gpus} GPU(s) here: the engines run on the CPU with gloo "
                           f"(backend='nccl' requires a GPU per engine: at most {gpus} ranks)", stacklevel=3)
@@ -317,7 +315,7 @@ class Cluster:
                 f"Cluster: {n} engines but this machine has {gpus} GPU(s); each engine takes one GPU with "
                 f"backend='nccl'. Use a topology of at most {gpus} ranks, or backend='gloo' (or None) to run "
                 f"the ranks on the CPU.")
-        if backend == "nccl" and not torch.cuda.is_available():
+        if backend == "nccl" and not gpus:
             raise ValueError("Cluster: backend='nccl' needs CUDA, which this machine does not have; use "
                              "backend='gloo' (or None: gloo without CUDA)")
         if not cuda:

@@ -295,9 +295,10 @@ def calibrate_local_cpu(ranks: int = 4, *, quick: bool = False, repeats: Optiona
     if cluster is None:
         from mlmkit.distributed.launch import max_local_ranks
 
-        if ranks > max_local_ranks():
+        limit = max_local_ranks()
+        if ranks > limit:
             raise ValueError(f"calibrate_local_cpu: ranks={ranks} is more than this machine can run (at most "
-                             f"{max_local_ranks()} CPU ranks in its available memory); calibrate for fewer ranks")
+                             f"{limit} CPU ranks in its available memory); calibrate for fewer ranks")
     repeats = repeats or (1 if quick else 3)
     if cluster is not None:
         results = cluster.run(_on_engine, quick, repeats, timeout_s=timeout_s)

@@ -39,8 +39,8 @@ import time
 import traceback
 from typing import Any, Callable, Optional, Sequence
 
-__all__ = ["PRELOAD", "RankFailure", "RankTimeout", "find_free_port", "max_local_ranks", "preload_in_ranks",
-           "run_ranks"]
+__all__ = ["PRELOAD", "RankFailure", "RankTimeout", "find_free_port", "local_gpus", "max_local_ranks",
+           "preload_in_ranks", "run_ranks"]
 
 #: Memory one CPU rank (a process with torch imported: a :func:`run_ranks` rank, a cluster engine)
 #: takes, measured ~0.3 GiB RSS, with headroom.
@@ -56,6 +56,13 @@ def max_local_ranks() -> int:
     import psutil
 
     return max(1, min(MAX_LOCAL_RANKS, int(psutil.virtual_memory().available // RANK_BYTES)))
+
+
+def local_gpus() -> int:
+    """GPUs CUDA offers on this machine (0 without CUDA): nccl ranks take one each."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 #: What every rank imports anyway, imported once by the forkserver that forks the ranks: torch, its
 #: compiler front end (``torch.optim`` imports it on first use) and mlmkit's trainer (the model,
@@ -234,9 +241,7 @@ def _local_backend(backend: Optional[str], world_size: int) -> str:
     the machine cannot hold them: nccl gives each rank a GPU of its own (two ranks on one GPU fail
     in NCCL's set-up); gloo ranks run on the CPU, each a process with torch. ``None``: nccl where
     CUDA has a GPU for every rank, else gloo on the CPU (the tests on a one-GPU machine)."""
-    import torch
-
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = local_gpus()
     if backend == "nccl" and world_size > gpus:
         raise ValueError(
             f"run_ranks: backend='nccl' gives each rank a GPU of its own, and this machine has {gpus} GPU(s) "

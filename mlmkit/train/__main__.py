@@ -236,13 +236,14 @@ def main(argv=None) -> int:
 
     from mlmkit.distributed import ProcessGroups, default_device, init_distributed
     from mlmkit.distributed.host_memory import keep_freed_memory
+    from mlmkit.distributed.launch import local_gpus
     from mlmkit.train.checkpoint import load_checkpoint, save_checkpoint
     from mlmkit.train.trainer import Trainer
 
     if single:            # one process: the GPU where CUDA exists, as every rank of a larger run
         groups = ProcessGroups.single(device=default_device(0))
     else:
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        gpus = local_gpus()
         if 0 < gpus < job.local_world_size:       # NCCL: two ranks on one GPU fail in its set-up
             raise SystemExit(f"python -m mlmkit.train: {job.local_world_size} ranks on this node but {gpus} GPU(s): "
                              f"each rank takes a GPU of its own; start at most {gpus} per node (torchrun "
