@@ -136,13 +136,18 @@ def test_megatron_time_model_communication_terms_are_their_definitions():
     for zero in (0, 1):
         got = run(gbs=32, dp=4, zero=zero)["dp_comm_s"]
         assert got == pytest.approx(_ring_time("all_reduce", 4 * n, 4), rel=1e-6), zero
-    # ZeRO-3: the gradients reduce-scattered, and each layer's bf16 parameters (the stage's per layer)
-    # all-gathered before its forward and again before its backward, for every one of the m = 4 microbatches
+    # ZeRO-3: for every one of the m = 4 microbatches, each layer's bf16 parameters (the stage's per
+    # layer) all-gathered before its forward and again before its backward, and its fp32 gradients
+    # reduce-scattered in its backward (only a shard of them is kept)
     gather = _ring_time("all_gather", n / model.layers * E, 4)
+    scatter = _ring_time("reduce_scatter", 4 * n / model.layers, 4)
     got = run(gbs=32, dp=4, zero=3)
     assert got["microbatches"] == 4
-    assert got["dp_comm_s"] == pytest.approx(_ring_time("reduce_scatter", 4 * n, 4)
-                                             + 2 * 4 * model.layers * gather, rel=1e-6)
+    assert got["dp_comm_s"] == pytest.approx(4 * model.layers * (2 * gather + scatter), rel=1e-6)
+    # ZeRO-2: the same reduce-scatters, then the updated parameters all-gathered once per step
+    zero2 = run(gbs=32, dp=4, zero=2)
+    assert zero2["dp_comm_s"] == pytest.approx(4 * model.layers * scatter + _ring_time("all_gather", 4 * n, 4),
+                                               rel=1e-6)
     # ... and holds its shard of the model state (18 / dp bytes per parameter in bf16: 2 parameter,
     # 4 fp32 gradient, 12 fp32 master and moments) plus two gathered layers at a time
     assert got["state_bytes"] == pytest.approx(18 * n / 4 + 2 * n / model.layers * E, rel=1e-9)
@@ -172,6 +177,27 @@ def test_megatron_gradient_reduction_hides_behind_the_last_microbatchs_backward(
         assert got["dp_comm_s"] == pytest.approx(reduce - backward, rel=1e-9), m
         exposed[m] = got["dp_comm_s"]
     assert exposed[1] == pytest.approx(exposed[16], rel=1e-9)
+
+
+def test_megatron_zero2_and_zero3_reduce_their_gradient_shards_every_microbatch():
+    # ZeRO-2/3 keep a shard of the gradients (18 / dp bytes per parameter for ZeRO-3: the memory count),
+    # so each microbatch's gradients are reduce-scattered in its backward, as DeepSpeed and FSDP do:
+    # with the link slow their exposed time grows with the microbatches. ZeRO-1 keeps whole
+    # gradients and reduces them once, behind the last backward, whatever the microbatches.
+    model = GPTConfig(vocab_size=1024, seq_len=512, hidden=256, heads=8, layers=8)
+    slow = replace(WIRE, peak_tflops=2.0, intra_node_bandwidth=2e8, latency_s=0.0)
+    exposed = {}
+    for zero in (1, 2, 3):
+        for m in (1, 4):
+            got = predict(model, slow, Layout(dp=4, micro_batch_size=1, zero=zero), global_batch_size=4 * m)
+            exposed[zero, m] = got["dp_comm_s"]
+            assert got["dp_comm_s"] > 0, (zero, m)
+    assert exposed[1, 4] == pytest.approx(exposed[1, 1], rel=1e-9)
+    assert exposed[2, 4] > 2 * exposed[2, 1] and exposed[3, 4] > 3 * exposed[3, 1]
+    # ... and on a GPU whose compute is slow enough the reduce-scatters hide behind each layer's backward
+    hidden = predict(model, replace(WIRE, peak_tflops=0.01), Layout(dp=4, micro_batch_size=1, zero=3),
+                     global_batch_size=16)
+    assert hidden["dp_comm_s"] == 0
 
 
 def test_megatron_hides_zero3_gathers_and_the_cp_ring_behind_compute_and_streams_adam_state():

@@ -17,10 +17,13 @@ recomputation) of ``model`` on ``gpus`` accelerators of one :class:`~mlmkit.plan
 - **pipeline**: one activation message per microbatch and stage boundary each way; the bubble of
   1F1B ``(p - 1) (F + B)`` and of interleaved 1F1B ``(p - 1) (F + B) / v`` with the slowest stage's
   costs (``simulate`` gives the same for these costs: tests check it);
-- **data parallelism**: the gradient all-reduce (ZeRO-1/2: reduce-scatter plus all-gather, the same
+- **data parallelism**: the gradient all-reduce (ZeRO-1: reduce-scatter plus all-gather, the same
   bytes; the experts' over their expert-dp replicas) overlapped with the backward of the last
-  microbatch, as Megatron-LM's bucketed overlap does; ZeRO-3's per-layer parameter all-gathers
-  overlapped with each layer's compute;
+  microbatch, as Megatron-LM's bucketed overlap does. ZeRO-2/3 hold only a shard of the gradients
+  (as the memory count does), so every microbatch reduce-scatters its gradients layer by layer in
+  its backward (DeepSpeed's ZeRO-2/3, FSDP); ZeRO-3's per-layer parameter all-gathers before each
+  forward and backward share that link, each layer's overlapped with its compute; ZeRO-2
+  all-gathers the updated parameters once per step, as ZeRO-1 does;
 - **memory-bound work**: the element-wise operations between the GEMMs and, without a fused
   (flash) attention, the ``[b, a/t, s, s]`` attention scores, as HBM traffic
   (``ELEMENTWISE_PASSES``, ``MLP_PASSES``, ``SCORE_PASSES``);
@@ -598,15 +601,25 @@ def predict(model: Union[GPTConfig, str], hw: Hardware, layout: Layout, *, globa
     n_stage = dense + expert
     replicas = d * cp
     dp_bw, edp_bw = hw.link(replicas, t), hw.link(expert_dp, L.ep)
-    op = "reduce_scatter" if L.zero == 3 else "all_reduce"
-    reduce = (_ring(op, dense * 4, replicas, dp_bw, hw.latency_s)
-              + _ring(op, expert * 4, expert_dp, edp_bw, hw.latency_s))
-    zero3_exposed = 0.0
-    if L.zero == 3 and replicas > 1:
-        gather = (_ring("all_gather", dense / lp * E, replicas, dp_bw, hw.latency_s)
-                  + _ring("all_gather", expert / lp * E, expert_dp, edp_bw, hw.latency_s))
-        zero3_exposed = m * lp * (max(0.0, gather - f_layer) + max(0.0, gather - b_layer))
-    dp_exposed = max(0.0, reduce - Bs) + zero3_exposed
+
+    def over_dp(op: str, dense_bytes: float, expert_bytes: float) -> float:
+        return (_ring(op, dense_bytes, replicas, dp_bw, hw.latency_s)
+                + _ring(op, expert_bytes, expert_dp, edp_bw, hw.latency_s))
+
+    if L.zero <= 1:
+        # whole fp32 gradients accumulate over the microbatches and are reduced once, behind the
+        # last microbatch's backward (ZeRO-1: reduce-scatter plus all-gather, the same bytes)
+        dp_exposed = max(0.0, over_dp("all_reduce", dense * 4, expert * 4) - Bs)
+    else:
+        # ZeRO-2/3 keep only their shard of the gradients (the memory count below): every microbatch's
+        # are reduce-scattered in its backward, layer by layer (DeepSpeed's ZeRO-2/3, FSDP), on the dp
+        # link that ZeRO-3's gathers of the next layer's parameters also use; ZeRO-2 all-gathers the
+        # updated parameters once per step, ZeRO-3 gathers each layer before its forward and backward
+        rs = over_dp("reduce_scatter", dense / lp * 4, expert / lp * 4)
+        gather = over_dp("all_gather", dense / lp * E, expert / lp * E) if L.zero == 3 else 0.0
+        dp_exposed = m * lp * (max(0.0, gather - f_layer) + max(0.0, gather + rs - b_layer))
+        if L.zero == 2:
+            dp_exposed += max(0.0, over_dp("all_gather", dense * 4, expert * 4) - Bs)
     local = dense / (replicas if L.zero >= 1 else 1) + expert / (expert_dp if L.zero >= 1 else 1)
     optimizer = local * ADAM_BYTES_PER_PARAM / hw.hbm_bandwidth
     step = busy + bubble + dp_exposed + optimizer
