@@ -160,7 +160,7 @@ def _writable_folder(path: str) -> bool:
     path = os.path.abspath(path)
     while not os.path.exists(path):
         path = os.path.dirname(path)
-    if not (os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)):
+    if not os.path.isdir(path):
         return False
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".mlmkit-probe-", dir=path))
@@ -198,7 +198,7 @@ def check_paths(args, cfg: TrainConfig) -> None:
         if not os.path.isdir(parent):
             raise ValueError(f"--metrics-out={args.metrics_out!r}: the folder {parent!r} does not exist")
         if not _writable_folder(parent) or (os.path.exists(args.metrics_out)
-                                                         and not os.access(args.metrics_out, os.W_OK)):
+                                            and not os.access(args.metrics_out, os.W_OK)):
             raise ValueError(f"--metrics-out={args.metrics_out!r} cannot be written: give a writable file")
 
 
