@@ -130,12 +130,14 @@ def test_megatron_time_model_communication_terms_are_their_definitions():
     kv_block = 2 * b * model.num_kv_heads * (s // 4) * model.head_dim * E
     ring = 3 * (4 - 1) * (kv_block / WIRE.intra_node_bandwidth + WIRE.latency_s)
     assert run(cp=4, zero=0)["cp_comm_s"] == pytest.approx(8 * model.layers * ring, rel=1e-6)
-    # data parallelism: the fp32 gradients of every parameter all-reduced once per step (ZeRO-1: reduce-
-    # scatter and all-gather, the same bytes), nothing to overlap with a backward that takes no time
+    # data parallelism: the fp32 gradients of every parameter all-reduced once per step, nothing to
+    # overlap with a backward that takes no time; ZeRO-1 reduce-scatters them instead and all-gathers the
+    # updated bf16 parameters (behind the next step's first forward, which takes no time either)
     n = _gpt_parameters(model)
-    for zero in (0, 1):
-        got = run(gbs=32, dp=4, zero=zero)["dp_comm_s"]
-        assert got == pytest.approx(_ring_time("all_reduce", 4 * n, 4), rel=1e-6), zero
+    assert run(gbs=32, dp=4, zero=0)["dp_comm_s"] == pytest.approx(_ring_time("all_reduce", 4 * n, 4), rel=1e-6)
+    regather = _ring_time("all_gather", n * E, 4)
+    assert run(gbs=32, dp=4, zero=1)["dp_comm_s"] == pytest.approx(_ring_time("reduce_scatter", 4 * n, 4) + regather,
+                                                                   rel=1e-6)
     # ZeRO-3: for every one of the m = 4 microbatches, each layer's bf16 parameters (the stage's per
     # layer) all-gathered before its forward and again before its backward, and its fp32 gradients
     # reduce-scattered in its backward (only a shard of them is kept)
@@ -144,10 +146,9 @@ def test_megatron_time_model_communication_terms_are_their_definitions():
     got = run(gbs=32, dp=4, zero=3)
     assert got["microbatches"] == 4
     assert got["dp_comm_s"] == pytest.approx(4 * model.layers * (2 * gather + scatter), rel=1e-6)
-    # ZeRO-2: the same reduce-scatters, then the updated parameters all-gathered once per step
+    # ZeRO-2: the same reduce-scatters, then the updated parameters all-gathered once per step, as ZeRO-1
     zero2 = run(gbs=32, dp=4, zero=2)
-    assert zero2["dp_comm_s"] == pytest.approx(4 * model.layers * scatter + _ring_time("all_gather", 4 * n, 4),
-                                               rel=1e-6)
+    assert zero2["dp_comm_s"] == pytest.approx(4 * model.layers * scatter + regather, rel=1e-6)
     # ... and holds its shard of the model state (18 / dp bytes per parameter in bf16: 2 parameter,
     # 4 fp32 gradient, 12 fp32 master and moments) plus two gathered layers at a time
     assert got["state_bytes"] == pytest.approx(18 * n / 4 + 2 * n / model.layers * E, rel=1e-9)
@@ -198,6 +199,74 @@ def test_megatron_zero2_and_zero3_reduce_their_gradient_shards_every_microbatch(
     hidden = predict(model, replace(WIRE, peak_tflops=0.01), Layout(dp=4, micro_batch_size=1, zero=3),
                      global_batch_size=16)
     assert hidden["dp_comm_s"] == 0
+
+
+def _random_gpu_jobs(seed: int, count: int):
+    """``count`` random (model, GPU, layout, global batch, seq, flash) that :func:`predict` accepts."""
+    import random
+
+    rng = random.Random(seed)
+    names = ["gpt3-175b", "llama3-8b", "llama3-70b", "llama3-405b", "mixtral-8x7b"]
+    jobs = []
+    while len(jobs) < count:
+        seq = rng.choice([2048, 4096, 8192])
+        model = preset(rng.choice(names), seq_len=seq)
+        schedule = rng.choice(["1f1b", "interleaved-1f1b"])
+        try:
+            layout = Layout(tp=rng.choice([1, 2, 4, 8]), cp=rng.choice([1, 1, 2, 4]), pp=rng.choice([1, 2, 4, 8, 16]),
+                            dp=rng.choice([1, 2, 4, 8, 64]), ep=rng.choice([1, 2, 8]) if model.moe else 1,
+                            schedule=schedule, chunks=rng.choice([2, 4]) if schedule != "1f1b" else 1,
+                            micro_batch_size=rng.choice([1, 2, 4]), recompute=rng.choice(["none", "selective", "full"]),
+                            zero=rng.choice([0, 1, 2, 3]), sequence_parallel=rng.random() < 0.8)
+        except ValueError:
+            continue
+        gbs = layout.micro_batch_size * layout.dp * rng.choice([1, 2, 8, 32])
+        job = (model, GPUS[rng.choice(sorted(GPUS))], layout, gbs, seq, rng.random() < 0.7)
+        try:
+            predict(model, job[1], layout, global_batch_size=gbs, seq_len=seq, flash_attention=job[5])
+        except ValueError:
+            continue
+        jobs.append(job)
+    return jobs
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_megatron_time_model_never_rewards_more_work_or_slower_parts(seed):
+    # Beside the term-by-term tests: over random jobs, more work (recomputation, ZeRO-2's every-microbatch
+    # reduce-scatters instead of ZeRO-1's one, attention without flash, a bigger batch per step) never
+    # makes a step faster or a throughput higher, and faster parts (peak, links, HBM) never make it
+    # slower. Each was broken once: communication hidden behind a window that more work widens, with
+    # one window (the last backward) counted for two transfers, or a layer's gathers hidden behind its
+    # arithmetic alone while its context-parallel ring grew as the arithmetic shrank.
+    def run(model, hw, layout, gbs, seq, flash):
+        return predict(model, hw, layout, global_batch_size=gbs, seq_len=seq, flash_attention=flash)
+
+    def no_faster(cheap, dear, what):
+        assert cheap["step_time_s"] <= dear["step_time_s"] * (1 + 1e-12), (what, cheap["step_time_s"], dear["step_time_s"])
+
+    for model, hw, L, gbs, seq, flash in _random_gpu_jobs(seed, 150):
+        job = (model.layers, model.hidden, hw.name, L, gbs, seq, flash)
+        base = run(model, hw, L, gbs, seq, flash)
+        assert 0 < base["mfu"] <= 1, job
+        rec = [run(model, hw, replace(L, recompute=r), gbs, seq, flash) for r in ("none", "selective", "full")]
+        no_faster(rec[0], rec[1], ("selective recomputation", job))
+        no_faster(rec[1], rec[2], ("full recomputation", job))
+        assert rec[0]["activation_bytes"] >= rec[1]["activation_bytes"] >= rec[2]["activation_bytes"], job
+        if L.dp > 1:
+            zero = [run(model, hw, replace(L, zero=z), gbs, seq, flash) for z in range(4)]
+            no_faster(zero[1], zero[2], ("ZeRO-2", job))
+            assert zero[0]["state_bytes"] >= zero[1]["state_bytes"] >= zero[2]["state_bytes"], job
+        if not flash:
+            fused = run(model, hw, L, gbs, seq, True)
+            no_faster(fused, base, ("attention without flash", job))
+            assert fused["memory_per_gpu_bytes"] <= base["memory_per_gpu_bytes"], job
+        bigger = run(model, hw, L, 2 * gbs, seq, flash)
+        no_faster(base, bigger, ("twice the batch", job))
+        assert bigger["tokens_per_s"] >= base["tokens_per_s"] * (1 - 1e-12), job
+        for field in ("peak_tflops", "intra_node_bandwidth", "inter_node_bandwidth", "hbm_bandwidth"):
+            no_faster(run(model, replace(hw, **{field: 2 * getattr(hw, field)}), L, gbs, seq, flash), base,
+                      (f"half the {field}", job))
+        no_faster(base, run(model, replace(hw, latency_s=2 * hw.latency_s), L, gbs, seq, flash), ("latency", job))
 
 
 def test_megatron_hides_zero3_gathers_and_the_cp_ring_behind_compute_and_streams_adam_state():

@@ -17,13 +17,16 @@ recomputation) of ``model`` on ``gpus`` accelerators of one :class:`~mlmkit.plan
 - **pipeline**: one activation message per microbatch and stage boundary each way; the bubble of
   1F1B ``(p - 1) (F + B)`` and of interleaved 1F1B ``(p - 1) (F + B) / v`` with the slowest stage's
   costs (``simulate`` gives the same for these costs: tests check it);
-- **data parallelism**: the gradient all-reduce (ZeRO-1: reduce-scatter plus all-gather, the same
-  bytes; the experts' over their expert-dp replicas) overlapped with the backward of the last
-  microbatch, as Megatron-LM's bucketed overlap does. ZeRO-2/3 hold only a shard of the gradients
-  (as the memory count does), so every microbatch reduce-scatters its gradients layer by layer in
-  its backward (DeepSpeed's ZeRO-2/3, FSDP); ZeRO-3's per-layer parameter all-gathers before each
-  forward and backward share that link, each layer's overlapped with its compute; ZeRO-2
-  all-gathers the updated parameters once per step, as ZeRO-1 does;
+- **data parallelism**: ZeRO-0 all-reduces the fp32 gradients once per step, overlapped with the
+  backward of the last microbatch, as Megatron-LM's bucketed overlap does (the experts' over their
+  expert-dp replicas). ZeRO-1 (Megatron-LM's distributed optimizer) reduce-scatters them there
+  instead, and all-gathers the updated parameters overlapped with the next step's first forward
+  (a parameter is updated only once its gradient is reduced: no backward is left to hide it).
+  ZeRO-2/3 hold only a shard of the gradients (as the memory count does), so every microbatch
+  reduce-scatters its gradients layer by layer in its backward (DeepSpeed's ZeRO-2/3, FSDP);
+  ZeRO-3's per-layer parameter all-gathers before each forward and backward share that link, each
+  layer's overlapped with that layer's time (its compute and its tp/cp/ep communication); ZeRO-2
+  all-gathers the updated parameters as ZeRO-1 does;
 - **memory-bound work**: the element-wise operations between the GEMMs and, without a fused
   (flash) attention, the ``[b, a/t, s, s]`` attention scores, as HBM traffic
   (``ELEMENTWISE_PASSES``, ``MLP_PASSES``, ``SCORE_PASSES``);
@@ -606,20 +609,28 @@ def predict(model: Union[GPTConfig, str], hw: Hardware, layout: Layout, *, globa
         return (_ring(op, dense_bytes, replicas, dp_bw, hw.latency_s)
                 + _ring(op, expert_bytes, expert_dp, edp_bw, hw.latency_s))
 
-    if L.zero <= 1:
-        # whole fp32 gradients accumulate over the microbatches and are reduced once, behind the
-        # last microbatch's backward (ZeRO-1: reduce-scatter plus all-gather, the same bytes)
+    # a layer's time per microbatch, forward and backward: what its data-parallel traffic hides behind
+    f_tot = f_layer + tp_f + cp_exposed / 3 + ep_time / 2
+    b_tot = b_layer + tp_b + 2 * cp_exposed / 3 + ep_time / 2
+    if L.zero == 0:
+        # whole fp32 gradients accumulate over the microbatches and are all-reduced once, behind the
+        # last microbatch's backward
         dp_exposed = max(0.0, over_dp("all_reduce", dense * 4, expert * 4) - Bs)
     else:
-        # ZeRO-2/3 keep only their shard of the gradients (the memory count below): every microbatch's
-        # are reduce-scattered in its backward, layer by layer (DeepSpeed's ZeRO-2/3, FSDP), on the dp
-        # link that ZeRO-3's gathers of the next layer's parameters also use; ZeRO-2 all-gathers the
-        # updated parameters once per step, ZeRO-3 gathers each layer before its forward and backward
-        rs = over_dp("reduce_scatter", dense / lp * 4, expert / lp * 4)
-        gather = over_dp("all_gather", dense / lp * E, expert / lp * E) if L.zero == 3 else 0.0
-        dp_exposed = m * lp * (max(0.0, gather - f_layer) + max(0.0, gather + rs - b_layer))
-        if L.zero == 2:
-            dp_exposed += max(0.0, over_dp("all_gather", dense * 4, expert * 4) - Bs)
+        # ZeRO-1/2: the updated parameters all-gathered (in the training dtype) behind the next step's
+        # first forward; no backward window is left for them, since each waits for its reduced gradient
+        # and the update (Megatron-LM's overlapped parameter gather)
+        regather = max(0.0, over_dp("all_gather", dense * E, expert * E) - Fs) if L.zero <= 2 else 0.0
+        if L.zero == 1:
+            # whole fp32 gradients accumulate and are reduce-scattered once, behind the last backward
+            dp_exposed = max(0.0, over_dp("reduce_scatter", dense * 4, expert * 4) - Bs) + regather
+        else:
+            # ZeRO-2/3 keep only their shard of the gradients (the memory count below): every
+            # microbatch's are reduce-scattered in its backward, layer by layer (DeepSpeed's ZeRO-2/3,
+            # FSDP), on the dp link that ZeRO-3's gathers of the next layer's parameters also use
+            rs = over_dp("reduce_scatter", dense / lp * 4, expert / lp * 4)
+            gather = over_dp("all_gather", dense / lp * E, expert / lp * E) if L.zero == 3 else 0.0
+            dp_exposed = m * lp * (max(0.0, gather - f_tot) + max(0.0, gather + rs - b_tot)) + regather
     local = dense / (replicas if L.zero >= 1 else 1) + expert / (expert_dp if L.zero >= 1 else 1)
     optimizer = local * ADAM_BYTES_PER_PARAM / hw.hbm_bandwidth
     step = busy + bubble + dp_exposed + optimizer
@@ -644,7 +655,7 @@ def predict(model: Union[GPTConfig, str], hw: Hardware, layout: Layout, *, globa
         state = (dense * bytes_per_parameter(precision=hw.precision, zero=L.zero, dp=replicas)
                  + expert * bytes_per_parameter(precision=hw.precision, zero=L.zero, dp=expert_dp))
         if L.zero == 3:
-            state += 2 * (n_stage / lp) * E                        # two layers gathered at a time
+            state += min(2, lp) * (n_stage / lp) * E               # two layers gathered at a time
         # a fused (flash) attention keeps no [s, s] scores: the paper's selective-recomputation count
         kept = "selective" if (flash_attention and L.recompute == "none") else L.recompute
         per_layer_act = activation_bytes_per_layer(
