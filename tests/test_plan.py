@@ -150,8 +150,19 @@ def test_megatron_time_model_communication_terms_are_their_definitions():
     zero2 = run(gbs=32, dp=4, zero=2)
     assert zero2["dp_comm_s"] == pytest.approx(4 * model.layers * scatter + regather, rel=1e-6)
     # ... and holds its shard of the model state (18 / dp bytes per parameter in bf16: 2 parameter,
-    # 4 fp32 gradient, 12 fp32 master and moments) plus two gathered layers at a time
-    assert got["state_bytes"] == pytest.approx(18 * n / 4 + 2 * n / model.layers * E, rel=1e-9)
+    # 4 fp32 gradient, 12 fp32 master and moments) plus two gathered units at a time: here two layers,
+    # each larger than the embedding unit (word and position embeddings, final norm)
+    h, f, kv = model.hidden, model.ffn, model.num_kv_heads * model.head_dim
+    layer = 2 * h + (h * (h + 2 * kv) + h + 2 * kv) + (h * h + h) + 2 * h + (h * f + f) + (f * h + h)
+    assert layer > model.vocab_size * h + model.seq_len * h + 2 * h
+    assert got["state_bytes"] == pytest.approx(18 * n / 4 + 2 * layer * E, rel=1e-9)
+    # ... where an embedding larger than a layer is gathered with the first layer
+    wide = replace(model, vocab_size=8192)
+    big = predict(wide, WIRE, Layout(micro_batch_size=b, dp=4, zero=3), global_batch_size=32)
+    n_wide = _gpt_parameters(wide)
+    root = wide.vocab_size * h + wide.seq_len * h + 2 * h
+    assert root > layer
+    assert big["state_bytes"] == pytest.approx(18 * n_wide / 4 + (root + layer) * E, rel=1e-9)
 
     # expert parallelism: each microbatch's tokens sent to their top-k experts (the share held by the
     # other ep - 1 ranks) and combined back, in forward and again in backward: four all-to-alls per layer
@@ -235,9 +246,11 @@ def test_megatron_time_model_never_rewards_more_work_or_slower_parts(seed):
     # Beside the term-by-term tests: over random jobs, more work (recomputation, ZeRO-2's every-microbatch
     # reduce-scatters instead of ZeRO-1's one, attention without flash, a bigger batch per step) never
     # makes a step faster or a throughput higher, and faster parts (peak, links, HBM) never make it
-    # slower. Each was broken once: communication hidden behind a window that more work widens, with
-    # one window (the last backward) counted for two transfers, or a layer's gathers hidden behind its
-    # arithmetic alone while its context-parallel ring grew as the arithmetic shrank.
+    # slower; a deeper model or longer sequences never take less time or memory. Each was broken once:
+    # communication hidden behind a window that more work widens, with one window (the last backward)
+    # counted for two transfers; a layer's gathers hidden behind its arithmetic alone while its
+    # context-parallel ring grew as the arithmetic shrank; ZeRO-3's two gathered layers counted as
+    # the stage's average, embedding included, which a layer more made smaller.
     def run(model, hw, layout, gbs, seq, flash):
         return predict(model, hw, layout, global_batch_size=gbs, seq_len=seq, flash_attention=flash)
 
@@ -267,6 +280,12 @@ def test_megatron_time_model_never_rewards_more_work_or_slower_parts(seed):
             no_faster(run(model, replace(hw, **{field: 2 * getattr(hw, field)}), L, gbs, seq, flash), base,
                       (f"half the {field}", job))
         no_faster(base, run(model, replace(hw, latency_s=2 * hw.latency_s), L, gbs, seq, flash), ("latency", job))
+        # a deeper model (a layer more per stage) or longer sequences: never a faster step or less memory
+        deeper = run(replace(model, layers=model.layers + L.pp * L.chunks), hw, L, gbs, seq, flash)
+        longer = run(replace(model, seq_len=2 * seq), hw, L, gbs, 2 * seq, flash)
+        for other, what in ((deeper, "a layer more per stage"), (longer, "twice the sequence")):
+            no_faster(base, other, (what, job))
+            assert other["memory_per_gpu_bytes"] >= base["memory_per_gpu_bytes"], (what, job)
 
 
 def test_megatron_hides_zero3_gathers_and_the_cp_ring_behind_compute_and_streams_adam_state():

@@ -72,7 +72,7 @@ from typing import Optional, Union
 
 from mlmkit.estimate.flops import forward_flops_per_token, training_flops_per_token
 from mlmkit.estimate.memory import activation_bytes_per_layer, bytes_per_parameter, estimate_memory
-from mlmkit.estimate.params import local_parameters
+from mlmkit.estimate.params import local_parameters, stage_layout
 from mlmkit.model.config import GPTConfig
 from mlmkit.model.presets import PRESETS, preset
 from mlmkit.pipeline.schedule import SCHEDULES, V_SCHEDULES
@@ -192,6 +192,31 @@ def _stage_split(model: GPTConfig, t: int, p: int, v: int, sp: bool, ep: int) ->
         expert = sum(q.numel for q in params if q.expert) // ep
         dense = sum(q.numel for q in params if not q.expert)
         best = max(best, (dense, expert), key=sum)
+    return best
+
+
+@functools.lru_cache(maxsize=4096)
+def _gathered_pair(model: GPTConfig, t: int, p: int, v: int, sp: bool, ep: int) -> float:
+    """Parameters per GPU that ZeRO-3 holds gathered at once on the busier end stage: the largest
+    two consecutive units in the order of use (each unit gathered while the one before it computes;
+    a unit: a layer, or a chunk's embedding, final norm and head together), experts split over ``ep``.
+    A stage of one layer and no embedding holds that layer alone."""
+    topo = Topology(tp=t, pp=p)
+
+    def size(params) -> float:
+        return sum(q.numel / (ep if q.expert else 1) for q in params)
+
+    best = 0.0
+    for r in {0, p - 1}:
+        units = []
+        for st in stage_layout(model, topo, pp_rank=r, chunks=v):
+            mine = local_parameters(model, topo, pp_rank=r, chunks=v, sequence_parallel=sp, only_chunk=st["chunk"])
+            root = size(q for q in mine if not q.name.startswith("layers."))
+            layers = [size(q for q in mine if q.name.startswith(f"layers.{i}.")) for i in st["layers"]]
+            units += ([root] if st["pre_process"] and root else []) + layers \
+                + ([root] if root and not st["pre_process"] else [])
+        pairs = [a + b for a, b in zip(units, units[1:])] or units
+        best = max(best, max(pairs, default=0.0))
     return best
 
 
@@ -654,8 +679,8 @@ def predict(model: Union[GPTConfig, str], hw: Hardware, layout: Layout, *, globa
         # memory of the largest stage
         state = (dense * bytes_per_parameter(precision=hw.precision, zero=L.zero, dp=replicas)
                  + expert * bytes_per_parameter(precision=hw.precision, zero=L.zero, dp=expert_dp))
-        if L.zero == 3:
-            state += min(2, lp) * (n_stage / lp) * E               # two layers gathered at a time
+        if L.zero == 3:                                            # two units gathered at a time
+            state += _gathered_pair(model, t, p, v, sp, L.ep) * E
         # a fused (flash) attention keeps no [s, s] scores: the paper's selective-recomputation count
         kept = "selective" if (flash_attention and L.recompute == "none") else L.recompute
         per_layer_act = activation_bytes_per_layer(
