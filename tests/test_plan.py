@@ -612,6 +612,52 @@ def _local(**over):
     return local_cpu(**base)
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_local_cpu_time_model_never_rewards_more_work_or_slower_parts(seed):
+    # The Megatron test's counterpart for mlmkit's runtime (test_megatron_time_model_never_rewards_more_work_
+    # or_slower_parts): over random layouts of small models on 2 to 8 CPU ranks (every schedule),
+    # recomputation, a bigger batch, dearer operators, recomputed regions or collectives, a slower
+    # matmul or fewer cores never make a step faster. Not held: a faster message or link, which may
+    # reorder a simulated schedule's actions on shared cores and end it a little later (Graham's
+    # anomaly of list scheduling: 4 of 1,383 random layouts, by at most 0.4%).
+    import random
+
+    rng = random.Random(seed)
+    checked = 0
+    while checked < 25:
+        model = GPTConfig(vocab_size=256, seq_len=rng.choice([32, 64]), hidden=rng.choice([64, 128]), heads=4,
+                          layers=rng.choice([4, 8]), tie_embeddings=rng.random() < 0.5)
+        hw = _local(cores=rng.choice([1, 2, 4]))
+        world = rng.choice([2, 4, 8])
+        tp = rng.choice([k for k in (1, 2, 4) if world % k == 0])
+        pp = rng.choice([k for k in (1, 2, 4) if world // tp % k == 0])
+        schedule = rng.choice(sorted(SCHEDULES)) if pp > 1 else "1f1b"
+        try:
+            L = Layout(tp=tp, pp=pp, dp=world // tp // pp, schedule=schedule,
+                       chunks=2 if schedule in ("interleaved-1f1b", *V_SCHEDULES) else 1,
+                       micro_batch_size=rng.choice([1, 2, 4]), recompute=rng.choice(["none", "selective", "full"]),
+                       zero=rng.choice([0, 1, 2, 3]), sequence_parallel=rng.random() < 0.5)
+            gbs = L.micro_batch_size * L.dp * rng.choice([1, 2, 4])
+            base = predict(model, hw, L, global_batch_size=gbs)
+        except ValueError:
+            continue
+        checked += 1
+        job = (model.hidden, model.layers, hw.cores, L, gbs)
+
+        def step(hw=hw, layout=L, batch=gbs):
+            return predict(model, hw, layout, global_batch_size=batch)["step_time_s"]
+
+        times = [step(layout=replace(L, recompute=r)) for r in ("none", "selective", "full")]
+        assert times[0] <= times[1] * (1 + 1e-12) and times[1] <= times[2] * (1 + 1e-12), (job, times)
+        t = base["step_time_s"]
+        assert step(batch=2 * gbs) >= t, job
+        dearer = {"op_overhead_s": 2 * hw.op_overhead_s, "recompute_overhead_s": 2 * hw.recompute_overhead_s,
+                  "peak_tflops": hw.peak_tflops / 2, "cores": hw.cores / 2,
+                  "collective_latency": tuple((n, g, 2 * x) for n, g, x in hw.collective_latency)}
+        for field, value in dearer.items():
+            assert step(hw=replace(hw, **{field: value})) >= t * (1 - 1e-12), (field, job)
+
+
 def test_local_cpu_hardware_from_measurements():
     hw = _local()
     assert hw.runtime == "mlmkit" and hw.precision == "fp32" and hw.cores == 2 and hw.efficiency == 1.0
