@@ -806,6 +806,14 @@ def test_layouts_and_predictions_refuse_what_they_cannot_be():
         predict(SMALL, hardware("a100-80gb"), Layout(pp=2, dp=4, schedule="gpipe"), global_batch_size=64)
     with pytest.raises(ValueError, match=r"predict: seq_len=-8 must be a positive integer"):
         predict(SMALL, hardware("a100-80gb"), Layout(pp=2, dp=4), global_batch_size=64, seq_len=-8)
+    # ... nor an interleaved layout Megatron-LM does not run (plan() never searched them; predict priced
+    # them with the interleaved bubble formula)
+    interleaved = dict(dp=2, chunks=2, schedule="interleaved-1f1b")
+    with pytest.raises(ValueError, match=r"pp=4 needs microbatches divisible by pp.*= 6; choose a global batch"):
+        predict(SMALL, hardware("a100-80gb"), Layout(pp=4, **interleaved), global_batch_size=12)
+    with pytest.raises(ValueError, match=r"pp=1 interleaves nothing \(one pipeline stage\)"):
+        predict(SMALL, hardware("a100-80gb"), Layout(pp=1, **interleaved), global_batch_size=16)
+    assert predict(SMALL, hardware("a100-80gb"), Layout(pp=4, **interleaved), global_batch_size=16)["step_time_s"] > 0
     assert len(plan(SMALL, gpus=8, gpu="a100-80gb", global_batch_size=64, top=0)) > 10     # 0: every layout
 
 

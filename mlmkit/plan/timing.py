@@ -577,6 +577,14 @@ def predict(model: Union[GPTConfig, str], hw: Hardware, layout: Layout, *, globa
     h, layers = model.hidden, model.layers
     if layers < p * v:
         raise ValueError(f"layers={layers} are fewer than pp x chunks = {p * v} stages")
+    if hw.runtime == "megatron" and L.schedule == "interleaved-1f1b" and (p == 1 or m % p):
+        # what plan() searches, and what Megatron-LM runs: a layout it refuses gets no time
+        raise ValueError(
+            f"predict: schedule='interleaved-1f1b' with pp={p} " + (
+                "interleaves nothing (one pipeline stage); use schedule='1f1b' (chunks=1) or pp > 1" if p == 1 else
+                f"needs microbatches divisible by pp, as Megatron-LM's interleaved schedule does: global_batch_size="
+                f"{global_batch_size} / (micro_batch_size={b} x dp={d}) = {m}; choose a global batch size that makes "
+                f"it a multiple of {p}, or schedule='1f1b'"))
     if s % cp:
         raise ValueError(f"seq_len={s} is not a multiple of cp={cp}")
     sp = L.sequence_parallel and t > 1
