@@ -814,6 +814,9 @@ def test_layouts_and_predictions_refuse_what_they_cannot_be():
     with pytest.raises(ValueError, match=r"pp=1 interleaves nothing \(one pipeline stage\)"):
         predict(SMALL, hardware("a100-80gb"), Layout(pp=1, **interleaved), global_batch_size=16)
     assert predict(SMALL, hardware("a100-80gb"), Layout(pp=4, **interleaved), global_batch_size=16)["step_time_s"] > 0
+    # ... nor a split the model refuses, as plan() does not search it (tp=3 was priced for 32 heads)
+    with pytest.raises(ValueError, match=r"hidden=4096 is not divisible by tp=3"):
+        predict(SMALL, hardware("a100-80gb"), Layout(tp=3), global_batch_size=12)
     assert len(plan(SMALL, gpus=8, gpu="a100-80gb", global_batch_size=64, top=0)) > 10     # 0: every layout
 
 

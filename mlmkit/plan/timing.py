@@ -220,6 +220,12 @@ def _gathered_pair(model: GPTConfig, t: int, p: int, v: int, sp: bool, ep: int) 
     return best
 
 
+@functools.lru_cache(maxsize=4096)
+def _check_split(model: GPTConfig, t: int, p: int, v: int, cp: int, ep: int, sp: bool) -> None:
+    """The model's own rules for a layout (:meth:`GPTConfig.check_parallel`), checked once per split."""
+    model.check_parallel(tp=t, pp=p, chunks=v, cp=cp, ep=ep, sequence_parallel=sp)
+
+
 def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
@@ -589,6 +595,9 @@ def predict(model: Union[GPTConfig, str], hw: Hardware, layout: Layout, *, globa
         raise ValueError(f"seq_len={s} is not a multiple of cp={cp}")
     sp = L.sequence_parallel and t > 1
     expert_dp = _check_experts(model, L)
+    # what a run of this layout would refuse (tp dividing the heads, the key/value heads and the MLP,
+    # the sequence over cp x tp, ...), as plan() does before it predicts
+    _check_split(model if s == model.seq_len else replace(model, seq_len=s), t, p, v, cp, L.ep, sp)
     E = 2 if hw.precision == "bf16" else 4                    # bytes of activations and parameters
     peak = hw.peak_tflops * 1e12
     eff = hw.compute_efficiency(h / t)
