@@ -202,17 +202,19 @@ def _gathered_pair(model: GPTConfig, t: int, p: int, v: int, sp: bool, ep: int) 
     a unit: a layer, or a chunk's embedding, final norm and head together), experts split over ``ep``.
     A stage of one layer and no embedding holds that layer alone."""
     topo = Topology(tp=t, pp=p)
-
-    def size(params) -> float:
-        return sum(q.numel / (ep if q.expert else 1) for q in params)
-
     best = 0.0
     for r in {0, p - 1}:
         units = []
         for st in stage_layout(model, topo, pp_rank=r, chunks=v):
-            mine = local_parameters(model, topo, pp_rank=r, chunks=v, sequence_parallel=sp, only_chunk=st["chunk"])
-            root = size(q for q in mine if not q.name.startswith("layers."))
-            layers = [size(q for q in mine if q.name.startswith(f"layers.{i}.")) for i in st["layers"]]
+            root, per_layer = 0.0, {}
+            for q in local_parameters(model, topo, pp_rank=r, chunks=v, sequence_parallel=sp, only_chunk=st["chunk"]):
+                n = q.numel / (ep if q.expert else 1)
+                if q.name.startswith("layers."):                   # "layers.<i>.<...>"
+                    i = int(q.name.split(".", 2)[1])
+                    per_layer[i] = per_layer.get(i, 0.0) + n
+                else:
+                    root += n
+            layers = [per_layer.get(i, 0.0) for i in st["layers"]]
             units += ([root] if st["pre_process"] and root else []) + layers \
                 + ([root] if root and not st["pre_process"] else [])
         pairs = [a + b for a, b in zip(units, units[1:])] or units
