@@ -36,7 +36,8 @@ Model FLOPs are Megatron-LM's (``3 x`` forward, no recomputation: :func:`~mlmkit
 MFU = model FLOP/s per GPU over the peak; hardware FLOPs add what recomputation reruns.
 
 Memory per GPU (the largest pipeline stage): model state from :func:`~mlmkit.estimate.bytes_per_parameter`
-(bf16 mixed precision, the ZeRO stage's sharding; a mixture of experts' experts split over ``ep``,
+(bf16 mixed precision, the ZeRO stage's sharding; ZeRO-3 also holds two units' parameters gathered,
+the largest consecutive pair in the order of use; a mixture of experts' experts split over ``ep``,
 their gradients and shards over their own ``tp x cp x dp / ep`` replicas) and activations from the
 paper's per-layer formula (:func:`~mlmkit.estimate.activation_bytes_per_layer`,
 ``implementation="megatron"``, with the model's own dropout; experts: ``top_k`` rows per token),
