@@ -163,6 +163,8 @@ def test_megatron_time_model_communication_terms_are_their_definitions():
     root = wide.vocab_size * h + wide.seq_len * h + 2 * h
     assert root > layer
     assert big["state_bytes"] == pytest.approx(18 * n_wide / 4 + (root + layer) * E, rel=1e-9)
+    # ... and with nothing to shard (one replica) holds what ZeRO-0 holds: no gathered copies beside
+    assert run(zero=3)["state_bytes"] == run(zero=0)["state_bytes"] == pytest.approx(18 * n, rel=1e-9)
 
     # expert parallelism: each microbatch's tokens sent to their top-k experts (the share held by the
     # other ep - 1 ranks) and combined back, in forward and again in backward: four all-to-alls per layer

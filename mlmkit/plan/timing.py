@@ -699,7 +699,7 @@ def predict(model: Union[GPTConfig, str], hw: Hardware, layout: Layout, *, globa
         # memory of the largest stage
         state = (dense * bytes_per_parameter(precision=hw.precision, zero=L.zero, dp=replicas)
                  + expert * bytes_per_parameter(precision=hw.precision, zero=L.zero, dp=expert_dp))
-        if L.zero == 3:                                            # two units gathered at a time
+        if L.zero == 3 and replicas > 1:                           # two units gathered at a time
             state += _gathered_pair(model, t, p, v, sp, L.ep) * E
         # a fused (flash) attention keeps no [s, s] scores: the paper's selective-recomputation count
         kept = "selective" if (flash_attention and L.recompute == "none") else L.recompute
