@@ -97,12 +97,18 @@ def _ring_time(op, nbytes, n, hw=WIRE):
     return share * nbytes / hw.intra_node_bandwidth + steps * hw.latency_s
 
 
-def _gpt_parameters(model):
-    """Every parameter of a GPT with biases, learned positions and a tied head (layer norm gains and
-    biases 2h each; attention's q, k, v and output projection; the MLP's two layers)."""
+def _gpt_layer_parameters(model):
+    """One layer's parameters of a GPT with biases (layer norm gains and biases 2h each; attention's
+    q, k, v and output projection; the MLP's two layers)."""
     h, f, kv = model.hidden, model.ffn, model.num_kv_heads * model.head_dim
-    layer = 2 * h + (h * (h + 2 * kv) + h + 2 * kv) + (h * h + h) + 2 * h + (h * f + f) + (f * h + h)
-    return model.vocab_size * h + model.seq_len * h + model.layers * layer + 2 * h
+    return 2 * h + (h * (h + 2 * kv) + h + 2 * kv) + (h * h + h) + 2 * h + (h * f + f) + (f * h + h)
+
+
+def _gpt_parameters(model):
+    """Every parameter of a GPT with biases, learned positions and a tied head: the embeddings, the
+    layers and the final norm."""
+    h = model.hidden
+    return model.vocab_size * h + model.seq_len * h + model.layers * _gpt_layer_parameters(model) + 2 * h
 
 
 def test_megatron_time_model_communication_terms_are_their_definitions():
@@ -152,8 +158,7 @@ def test_megatron_time_model_communication_terms_are_their_definitions():
     # ... and holds its shard of the model state (18 / dp bytes per parameter in bf16: 2 parameter,
     # 4 fp32 gradient, 12 fp32 master and moments) plus two gathered units at a time: here two layers,
     # each larger than the embedding unit (word and position embeddings, final norm)
-    h, f, kv = model.hidden, model.ffn, model.num_kv_heads * model.head_dim
-    layer = 2 * h + (h * (h + 2 * kv) + h + 2 * kv) + (h * h + h) + 2 * h + (h * f + f) + (f * h + h)
+    layer = _gpt_layer_parameters(model)
     assert layer > model.vocab_size * h + model.seq_len * h + 2 * h
     assert got["state_bytes"] == pytest.approx(18 * n / 4 + 2 * layer * E, rel=1e-9)
     # ... where an embedding larger than a layer is gathered with the first layer

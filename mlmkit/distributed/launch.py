@@ -64,6 +64,7 @@ def local_gpus() -> int:
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
+
 #: What every rank imports anyway, imported once by the forkserver that forks the ranks: torch, its
 #: compiler front end (``torch.optim`` imports it on first use) and mlmkit's trainer (the model,
 #: schedules and optimizer: 0.15-0.45 s of CPU per rank when each rank imported it itself).

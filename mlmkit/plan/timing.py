@@ -646,7 +646,6 @@ def predict(model: Union[GPTConfig, str], hw: Hardware, layout: Layout, *, globa
     # data parallelism and the optimizer
     # experts: split over ep, their gradients reduced over their own replicas (expert-dp, strided by ep)
     dense, expert = _stage_split(model, t, p, v, sp, L.ep)
-    n_stage = dense + expert
     replicas = d * cp
     dp_bw, edp_bw = hw.link(replicas, t), hw.link(expert_dp, L.ep)
 
