@@ -16,7 +16,7 @@ from mlmkit.pipeline import SCHEDULES, make_schedule, simulate
 from mlmkit.pipeline.schedule import V_SCHEDULES
 from mlmkit.plan import GPUS, Hardware, Layout, hardware, plan, predict
 from mlmkit.plan.published import ROWS, comparison
-from mlmkit.plan.timing import pipeline_time
+from mlmkit.plan.timing import divisors, pipeline_time
 from mlmkit.topology import Topology
 
 SMALL = GPTConfig(vocab_size=51200, seq_len=2048, hidden=4096, heads=32, layers=32)
@@ -410,6 +410,17 @@ def test_bad_plan_input_names_the_value(kwargs, needle):
     with pytest.raises(ValueError) as info:
         plan(SMALL, **args)
     assert needle in str(info.value)
+
+
+def test_divisors_of_any_gpu_count():
+    # The search's pipeline degrees: every divisor, ascending (a scan up to n took two minutes for
+    # --gpus 1000000000 before the search could refuse it; now O(sqrt(n)) steps).
+    for n in range(1, 2000):
+        assert divisors(n) == [k for k in range(1, n + 1) if n % k == 0], n
+    assert divisors(10**9) == sorted(2**i * 5**j for i in range(10) for j in range(10))
+    assert divisors(999999937) == [1, 999999937]                     # a prime
+    with pytest.raises(ValueError, match="no layout of 1000000000 GPUs divides this job"):
+        plan(SMALL, gpus=10**9, gpu="h100-sxm", global_batch_size=256)
 
 
 def test_fixed_chunks_and_schedules_are_planned_not_dropped():

@@ -162,6 +162,10 @@ def test_generated_schedules_validate(name):
     (dict(name="gpipe", stages=0, microbatches=4), "stages=0"),
     # a batch with a few zeros too many: refused, not listed action by action until memory runs out
     (dict(name="1f1b", stages=4, microbatches=10**9), r"microbatches=1000000000: .* at most 65536 microbatches"),
+    # ... and stages with a few zeros too many (it built for half a minute, then ran out of memory)
+    (dict(name="1f1b", stages=10**9, microbatches=4),
+     r"stages=1000000000 x microbatches=4 x chunks=1 = 4000000000: .* at most 1048576 are planned"),
+    (dict(name="interleaved-1f1b", stages=64, microbatches=8192, chunks=4), r"= 2097152: .* at most 1048576"),
 ])
 def test_bad_configs(kwargs, needle):
     name = kwargs.pop("name")

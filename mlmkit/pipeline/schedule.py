@@ -37,13 +37,17 @@ from typing import Iterable, NamedTuple, Optional, Sequence
 
 __all__ = [
     "COMPUTE", "COMM", "KINDS", "PLACEMENTS", "Action", "Schedule", "ScheduleError", "SCHEDULES", "V_SCHEDULES",
-    "MAX_MICROBATCHES", "make_schedule", "schedule_from_table", "stage_rank",
+    "MAX_MICROBATCHES", "MAX_SCHEDULE_SIZE", "make_schedule", "schedule_from_table", "stage_rank",
 ]
 
 #: Most microbatches :func:`make_schedule` builds a schedule for: it lists every action (about
 #: 0.3-0.5 GB and 2-4 s at this count with 4 stages), so a batch with a few zeros too many is an
 #: error here, not a machine out of memory (a trainer, an estimate or a simulation).
 MAX_MICROBATCHES = 2**16
+#: Most ``stages x microbatches x chunks`` :func:`make_schedule` builds (0.6-0.9 GB and 5-7 s at this
+#: count, measured for 1f1b, zb-v and dualpipev), so ``stages=10**9`` is an error here, not half a
+#: minute of building before a MemoryError.
+MAX_SCHEDULE_SIZE = 2**20
 
 COMPUTE = ("F", "B", "I", "W")
 #: Placements of virtual stages on ranks.
@@ -444,6 +448,10 @@ def make_schedule(name: str, *, stages: int, microbatches: int, chunks: int = 1,
                             f"microbatch and stage), so at most {MAX_MICROBATCHES} microbatches are planned; use "
                             f"fewer, larger microbatches")
     p, m, v = int(stages), int(microbatches), int(chunks)        # numpy integers: Python ints in the schedule
+    if p * m * v > MAX_SCHEDULE_SIZE:
+        raise ScheduleError(f"stages={p} x microbatches={m} x chunks={v} = {p * m * v}: a schedule lists every "
+                            f"action (up to 0.9 kB per stage, microbatch and chunk), so at most {MAX_SCHEDULE_SIZE} "
+                            f"are planned; use fewer stages or fewer, larger microbatches")
     if name in V_SCHEDULES:
         if v != 2:
             raise ScheduleError(f"{name!r} runs exactly 2 model chunks per rank, in a V (chunks=2), not chunks={v}")
