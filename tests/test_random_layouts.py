@@ -23,8 +23,8 @@ with ``MLMKIT_RANDOM_LAYOUTS=<seed>:<seed+1> pytest tests/test_random_layouts.py
 
 The same draws also run in bf16 mixed precision (``MLMKIT_RANDOM_BF16_LAYOUTS``, same syntax; by
 default seeds 1001, 1005 and 1025), with Adam's eps 1e-3, held to bf16's tolerance against the
-serial bf16 run (test_llama's: losses within 1%, gradients within 2% of their norm, parameters within
-bf16's own error, measured against a serial fp32 run) and to the estimator exactly.
+serial bf16 run (losses within 1%; first-step gradients and parameters within bf16's own error,
+the serial bf16 run's distance from a serial fp32 run) and to the estimator exactly.
 
 Not drawn, on purpose: dropout (masks depend on the layout, as in Megatron-LM: no serial equality
 to check), a capacity together with sequence or context parallelism (per-rank capacities drop other
@@ -34,7 +34,6 @@ routing together with them (it numbers each rank's own tokens: ``GPTConfig.moe_f
 
 import os
 import random
-from typing import Optional
 
 import pytest
 import torch
@@ -52,9 +51,15 @@ from parity_helpers import bf16_params_close, first_step_gradients, one_copy, re
 
 STEPS = 3
 LOSS_RTOL, GRAD_TOL, PARAM_TOL = 1e-5, 1e-5, 5e-5
-# bf16 (test_llama's tolerance): losses within 1%, each first-step gradient within 2% of its norm, and
-# parameters within bf16's own error (parity_helpers.bf16_params_close).
-BF16_LOSS_RTOL, BF16_TENSOR_RTOL = 1e-2, 2e-2
+# bf16: losses within 1% (test_llama's), first-step gradients and parameters within 2% of their norm or
+# three times bf16's own error (parity_helpers.bf16_params_close).
+BF16_LOSS_RTOL = 1e-2
+# Routed experts and their router: rounding sends a token to another expert here or there, in the layout
+# and in the serial bf16 run alike, each in other experts: the serial bf16 run's expert gradients sat 4-8%
+# from fp32's in one expert (seed 1062) and the layout's 7.4% from serial bf16's in another, the same
+# layout in fp32 exact to 1e-7. Those tensors are held within 25% of their norm (a reduction left out
+# or counted twice moves them by 50-100%).
+BF16_ROUTED_RTOL = 0.25
 # The bf16 sweep's seeds (other draws than the fp32 sweep's defaults; ``N``, ``A:B`` or ``A,B,C``): by
 # default a mixture of experts over ep=4 (GPipe), tp=4 x cp=2 with ZeRO-3, and zb-v with tp=4 and ZeRO-1.
 BF16_ENV, BF16_DEFAULT = "MLMKIT_RANDOM_BF16_LAYOUTS", "1001,1005,1025"
@@ -232,19 +237,23 @@ def _fp32_close(got: dict, want: dict, tol: float) -> tuple[bool, str]:
     return worst[0] <= tol, f"largest difference {worst[0]:.3g} at {worst[1]}"
 
 
-def _bf16_close(got: dict, want: dict, exact: Optional[dict], *, tp: int,
-                tensor_rtol: Optional[float] = None) -> tuple[bool, str]:
-    """bf16 tensors against the serial bf16 run's: within ``tensor_rtol`` of each tensor's norm
-    (gradients), or, without it, within bf16's own error (parameters: parity_helpers.bf16_params_close)."""
+def _bf16_close(got: dict, want: dict, exact: dict, *, tp: int) -> tuple[bool, str]:
+    """bf16 tensors against the serial bf16 run's (``want``), within bf16's own error, the distance
+    from ``want`` to the serial fp32 run's ``exact`` (parity_helpers.bf16_params_close); routed experts
+    and their router within :data:`BF16_ROUTED_RTOL` of their norm."""
     if "head_weight" in got and "head_weight" not in want:      # a tied head on the last stage (_worst)
         want = {**want, "head_weight": want["embedding.weight"]}
-        exact = exact and {**exact, "head_weight": exact["embedding.weight"]}
+        exact = {**exact, "head_weight": exact["embedding.weight"]}
     assert set(got) == set(want), sorted(set(got) ^ set(want))
-    if tensor_rtol is not None:
-        bad = [n for n in want if (got[n].double() - want[n].double()).norm().item()
-               > tensor_rtol * want[n].double().norm().item() + 1e-12]
-    else:
-        bad = [n for n in want if not bf16_params_close(got[n], want[n], exact[n], tp=tp)]
+
+    def close(n):
+        if ".mlp.experts." in n or ".mlp.router." in n:
+            rtol = BF16_ROUTED_RTOL * want[n].double().norm().item()
+            if (got[n].double() - want[n].double()).norm().item() <= rtol:
+                return True
+        return bf16_params_close(got[n], want[n], exact[n], tp=tp)
+
+    bad = [n for n in want if not close(n)]
     return not bad, f"outside bf16's tolerance: {bad[:5]}"
 
 
@@ -258,9 +267,7 @@ def _check_layout(a: TrainConfig, b: TrainConfig, tmp_path, where: str) -> None:
     tp = max(a.tp, a.expert_tp, b.tp, b.expert_tp)
 
     def grads_close(got, want):
-        if bf16:
-            return _bf16_close(got, want, None, tp=tp, tensor_rtol=BF16_TENSOR_RTOL)
-        return _fp32_close(got, want, GRAD_TOL)
+        return _bf16_close(got, want, exact["grads"], tp=tp) if bf16 else _fp32_close(got, want, GRAD_TOL)
 
     def params_close(got, want):
         return _bf16_close(got, want, exact["params"], tp=tp) if bf16 else _fp32_close(got, want, PARAM_TOL)
@@ -305,8 +312,8 @@ def test_a_random_layout_trains_estimates_and_resumes_as_serial(seed, tmp_path):
 @pytest.mark.parametrize("seed", _seeds(BF16_ENV, BF16_DEFAULT))
 def test_a_random_layout_in_bf16_trains_estimates_and_resumes_as_serial(seed, tmp_path):
     # The same draws in bf16 mixed precision (bf16 parameters and activations, fp32 gradients and
-    # master weights), held to bf16's tolerance (test_llama's): losses within 1%, first-step gradients
-    # within 2% of their norm, parameters within bf16's own error; the estimator still exactly.
+    # master weights), held to bf16's tolerance: losses within 1%, first-step gradients and parameters
+    # within bf16's own error; the estimator still exactly.
     # Adam's eps 1e-3, not the fp32 sweep's 1e-6: with a tiny eps its first updates are lr * sign(g), so
     # rounding noise on a near-zero gradient (a zero-initialised bias) flips a whole step of the update
     # and the parameters stop being a witness (seed 1028: fc2's bias 23x bf16's own error after 3 steps,

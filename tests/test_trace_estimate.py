@@ -1,9 +1,11 @@
 """Traces (compute, communication, memory) against the pure-Python estimator; published figures; Chrome trace."""
 
+import itertools
 import json
 import re
 import socket
 
+import numpy
 import pytest
 import torch
 
@@ -401,6 +403,26 @@ def test_estimators_refuse_what_no_run_could_be():
         with pytest.raises(ValueError, match=rf"{name}: zero=3 shards dense models only \(experts=4\)"):
             fn(moe_config(seq_len=16, hidden=32, heads=4, kv_heads=2, ffn_hidden=64), Topology(dp=2, ep=2, experts=True),
                micro_batch_size=1, microbatches=2, precision="fp32", zero=3)
+        # switches that were read as truthy or falsy (sequence_parallel="no" estimated sequence parallelism,
+        # recompute="ful" no recomputation), and a recomputation or precision of no run
+        switches = ["sequence_parallel", "zero1", "reshard_after_forward"]
+        switches += ["per_token_loss"] if fn is estimate_memory else []
+        for switch, value in itertools.product(switches, ("no", 1, None, [])):
+            with pytest.raises(ValueError, match=rf"{name}: {switch}={re.escape(repr(value))} must be True or False"):
+                fn(model, Topology(tp=2), micro_batch_size=2, microbatches=2, precision="fp32", **{switch: value})
+        for recompute in ("ful", 1, "FULL"):
+            with pytest.raises(ValueError, match=rf"recompute={re.escape(repr(recompute))}.*'none', 'selective' or 'full'"):
+                fn(model, Topology(tp=2), micro_batch_size=2, microbatches=2, precision="fp32", recompute=recompute)
+        with pytest.raises(ValueError, match=r"precision=\[\]|unknown precision \[\]"):
+            fn(model, Topology(tp=2), micro_batch_size=2, microbatches=2, precision=[])
+    # numpy's bools (a DataFrame row's switches) are bools
+    np_row = estimate_memory(model, Topology(tp=2), micro_batch_size=2, microbatches=2, precision="fp32",
+                             sequence_parallel=numpy.bool_(True), per_token_loss=numpy.bool_(False))
+    row = estimate_memory(model, Topology(tp=2), micro_batch_size=2, microbatches=2, precision="fp32",
+                          sequence_parallel=True, per_token_loss=False)
+    assert np_row.equals(row)
+    with pytest.raises(ValueError, match=r"estimate_comm: placement='V'; expected one of loop, v"):
+        estimate_comm(model, Topology(pp=2), micro_batch_size=2, microbatches=2, precision="fp32", placement="V")
     for prefetch in (2, -1, True, 1.0):
         with pytest.raises(ValueError, match=rf"estimate_memory: prefetch={re.escape(repr(prefetch))} must be 0 or 1"):
             estimate_memory(model, Topology(dp=2), micro_batch_size=2, microbatches=2, precision="fp32", zero=3,

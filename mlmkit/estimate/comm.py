@@ -39,7 +39,7 @@ from typing import Optional, Sequence
 
 from mlmkit.estimate.params import (check_estimate, local_parameters, moe_kept_by_expert, shard_unit_sizes,
                                     stage_layout)
-from mlmkit.pipeline.schedule import V_SCHEDULES, stage_rank
+from mlmkit.pipeline.schedule import PLACEMENTS, V_SCHEDULES, stage_rank
 from mlmkit.model.config import GPTConfig
 from mlmkit.topology import Topology
 from mlmkit.trace.tracer import ring_wire_bytes
@@ -151,7 +151,11 @@ def estimate_comm(model: GPTConfig, topology: Topology, *, micro_batch_size: int
     if precision not in ("fp32", "bf16") or grad_reduce not in ("fp32", "bf16"):
         raise ValueError(f"precision={precision!r}, grad_reduce={grad_reduce!r}: expected 'fp32' or 'bf16'")
     check_estimate(model, topology, micro_batch_size=micro_batch_size, microbatches=microbatches, chunks=chunks,
-                   sequence_parallel=sequence_parallel, zero=zero, what="estimate_comm")
+                   sequence_parallel=sequence_parallel, zero=zero, recompute=recompute,
+                   flags=dict(zero1=zero1, reshard_after_forward=reshard_after_forward), what="estimate_comm")
+    if not isinstance(placement, str) or placement not in PLACEMENTS:    # "V" was estimated as a loop
+        raise ValueError(f"estimate_comm: placement={placement!r}; expected one of {', '.join(PLACEMENTS)} "
+                         f"('v' for zb-v and dualpipev)")
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, numbers.Integral) or bucket_bytes < 1:
         # as the run's (TrainConfig, bucketize): 0 or 1.5 estimated buckets no run makes
         raise ValueError(f"estimate_comm: bucket_bytes={bucket_bytes!r} must be an integer >= 1")

@@ -97,7 +97,7 @@ PRECISIONS = {
 def _precision(p) -> Precision:
     if isinstance(p, Precision):
         return p
-    if p not in PRECISIONS:
+    if not isinstance(p, str) or p not in PRECISIONS:
         raise ValueError(f"unknown precision {p!r}; choose one of {sorted(PRECISIONS)}")
     return PRECISIONS[p]
 
@@ -434,7 +434,8 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
                          "estimate_train_memory(config), which takes everything from the config")
     pr = _precision(precision)
     check_estimate(model, topology, micro_batch_size=micro_batch_size, microbatches=microbatches, chunks=chunks,
-                   sequence_parallel=sequence_parallel, zero=zero, prefetch=prefetch,
+                   sequence_parallel=sequence_parallel, zero=zero, prefetch=prefetch, recompute=recompute,
+                   flags=dict(zero1=zero1, reshard_after_forward=reshard_after_forward, per_token_loss=per_token_loss),
                    what="estimate_memory")
     sched = make_schedule(schedule, stages=topology.pp, microbatches=microbatches, chunks=chunks, layers=model.layers,
                           microbatch_group=microbatch_group)

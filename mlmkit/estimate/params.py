@@ -211,13 +211,30 @@ def shard_unit_sizes(model: GPTConfig, topology: Topology, *, pp_rank: int, chun
     return out
 
 
+def _is_bool(value: object) -> bool:
+    """A bool, or numpy's (a DataFrame row's switch), without importing numpy here."""
+    if isinstance(value, bool):
+        return True
+    dtype = getattr(value, "dtype", None)
+    return type(value).__module__ == "numpy" and dtype is not None and dtype.kind == "b" and value.ndim == 0
+
+
 def check_estimate(model: GPTConfig, topology: Topology, *, micro_batch_size: object, microbatches: object,
                    chunks: object = 1, sequence_parallel: bool = False, zero: object = None, prefetch: object = 0,
-                   what: str = "estimate") -> None:
+                   recompute: object = "none", flags: Optional[dict] = None, what: str = "estimate") -> None:
     """ValueError naming what an estimate cannot be made for: a micro-batch size or microbatch count
     that is not a positive integer, a ZeRO stage other than 0-3 (or None) or a prefetch other than 0
-    or 1, or a model that this topology cannot split (the trainer's own check,
-    :meth:`GPTConfig.check_parallel`): such numbers would describe no run."""
+    or 1, a recomputation other than "none", "selective", "full" (or a bool), a switch in ``flags``
+    (name: value) that is not a bool, or a model that this topology cannot split (the trainer's own
+    check, :meth:`GPTConfig.check_parallel`): such numbers would describe no run."""
+    # sequence_parallel="no" was estimated with sequence parallelism (a truthy string), recompute="ful"
+    # without recomputation
+    for name, value in {"sequence_parallel": sequence_parallel, **(flags or {})}.items():
+        if not _is_bool(value):
+            raise ValueError(f"{what}: {name}={value!r} must be True or False")
+    if not (_is_bool(recompute) or recompute is None
+            or (isinstance(recompute, str) and recompute in ("none", "selective", "full"))):
+        raise ValueError(f"{what}: recompute={recompute!r}; expected 'none', 'selective' or 'full' (or a bool)")
     for name, value in (("micro_batch_size", micro_batch_size), ("microbatches", microbatches), ("chunks", chunks)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(f"{what}: {name}={value!r} must be an integer >= 1")
