@@ -548,7 +548,11 @@ def test_custom_hardware_is_validated():
                                  ("collective_latency", ((2, 1e-3, -1.0),), "collective_latency entry"),
                                  ("collective_latency", ((1, 1e-3, 1e-3),), "group size >= 2"),
                                  ("p2p_latency", ((2, nan),), "p2p_latency entry"), ("source", None, "must be a string"),
-                                 ("name", "", "must be a non-empty string")):
+                                 ("name", "", "must be a non-empty string"),
+                                 # a number or a flat tuple for a table failed with "not iterable"
+                                 ("p2p_latency", 1e-3, "p2p_latency=0.001 must be a tuple of 2-tuples"),
+                                 ("collective_latency", (2, 1e-3, 1e-3), "must be a tuple of 3-tuples"),
+                                 ("collective_factor", "x", "collective_factor='x' must be a tuple of 2-tuples")):
         with pytest.raises(ValueError, match=re.escape(f"{field}={value!r}") if not field.endswith("latency")
                            or field == "latency_s" else re.escape(needle)) as info:
             Hardware(**{**base, field: value})

@@ -74,6 +74,13 @@ class Hardware:
             raise ValueError(f"Hardware {self.name!r}: runtime={self.runtime!r}; expected 'megatron' or 'mlmkit'")
         if self.precision not in ("bf16", "fp32"):
             raise ValueError(f"Hardware {self.name!r}: precision={self.precision!r}; expected 'bf16' or 'fp32'")
+        # the calibration tables: tuples of entries (a number here failed with "not iterable")
+        for name, size in (("collective_factor", 2), ("collective_latency", 3), ("p2p_latency", 2)):
+            table = getattr(self, name)
+            if not isinstance(table, (tuple, list)) or not all(isinstance(e, (tuple, list)) and len(e) == size
+                                                               for e in table):
+                raise ValueError(f"Hardware {self.name!r}: {name}={table!r} must be a tuple of {size}-tuples "
+                                 f"(() when not measured)")
         for op, factor in self.collective_factor:
             if op not in ("all_gather", "reduce_scatter") or not _is_number(factor) or not 0 < factor < math.inf:
                 raise ValueError(f"Hardware {self.name!r}: collective_factor ({op!r}, {factor!r}): expected "
