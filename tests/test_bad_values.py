@@ -19,10 +19,10 @@ import pytest
 from mlmkit import Topology
 from mlmkit.estimate import estimate_comm, estimate_memory
 from mlmkit.model import GPTConfig
+from mlmkit.model.presets import preset
 from mlmkit.pipeline import make_schedule
 from mlmkit.pipeline.simulate import Costs
 from mlmkit.plan import Hardware, Layout, hardware, predict
-from mlmkit.model.presets import preset
 from mlmkit.train import TrainConfig
 
 BAD = [None, -1, 0, 1.5, -0.5, "x", float("nan"), float("inf"), True, 10**9, [], {}]

@@ -18,8 +18,8 @@ microbatches per rank), retrying until the draw is a valid config. One run per s
   step against the serial third step (loss and parameters).
 
 Set ``MLMKIT_RANDOM_LAYOUTS`` to sweep more: ``N`` runs seeds 0..N-1, ``A:B`` seeds A..B-1, ``A,B,C``
-those (the default, 5 seeds, keeps the suite's time). A failing seed names itself in the test id; reproduce it
-with ``MLMKIT_RANDOM_LAYOUTS=<seed>:<seed+1> pytest tests/test_random_layouts.py``.
+those (the default, 5 seeds, keeps the suite's time). A failing seed names itself in the test id;
+reproduce it with ``MLMKIT_RANDOM_LAYOUTS=<seed>:<seed+1> pytest tests/test_random_layouts.py``.
 
 The same draws also run in bf16 mixed precision (``MLMKIT_RANDOM_BF16_LAYOUTS``, same syntax; by
 default seeds 1001, 1005 and 1025), with Adam's eps 1e-3, held to bf16's tolerance against the
@@ -222,13 +222,19 @@ def _merged(results, kind) -> dict:
     return out
 
 
-def _worst(got: dict, want: dict) -> tuple[float, str]:
-    """The largest difference of any element, and where. A tied head on the last pipeline stage
-    (``head_weight``, which the serial model does not have) is held to the serial embedding: after the
-    embedding group's reduction its gradient and its weights are the embedding's."""
+def _held_to(got: dict, want: dict) -> dict:
+    """``want`` with what ``got`` is held to: a tied head on the last pipeline stage (``head_weight``,
+    which the serial model does not have) is held to the serial embedding: after the embedding group's
+    reduction its gradient and its weights are the embedding's."""
     if "head_weight" in got and "head_weight" not in want:
         want = {**want, "head_weight": want["embedding.weight"]}
     assert set(got) == set(want), sorted(set(got) ^ set(want))
+    return want
+
+
+def _worst(got: dict, want: dict) -> tuple[float, str]:
+    """The largest difference of any element, and where."""
+    want = _held_to(got, want)
     return max(((got[n].double() - want[n].double()).abs().max().item(), n) for n in want)
 
 
@@ -241,10 +247,7 @@ def _bf16_close(got: dict, want: dict, exact: dict, *, tp: int) -> tuple[bool, s
     """bf16 tensors against the serial bf16 run's (``want``), within bf16's own error, the distance
     from ``want`` to the serial fp32 run's ``exact`` (parity_helpers.bf16_params_close); routed experts
     and their router within :data:`BF16_ROUTED_RTOL` of their norm."""
-    if "head_weight" in got and "head_weight" not in want:      # a tied head on the last stage (_worst)
-        want = {**want, "head_weight": want["embedding.weight"]}
-        exact = {**exact, "head_weight": exact["embedding.weight"]}
-    assert set(got) == set(want), sorted(set(got) ^ set(want))
+    want, exact = _held_to(got, want), _held_to(got, exact)
 
     def close(n):
         if ".mlp.experts." in n or ".mlp.router." in n:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from mlmkit.model.config import GPTConfig, split_layers
+from mlmkit.scalars import plain_bool
 from mlmkit.topology import Topology
 
 __all__ = ["LocalParam", "check_estimate", "local_parameters", "moe_idle_experts", "moe_kept_by_expert",
@@ -211,14 +212,6 @@ def shard_unit_sizes(model: GPTConfig, topology: Topology, *, pp_rank: int, chun
     return out
 
 
-def _is_bool(value: object) -> bool:
-    """A bool, or numpy's (a DataFrame row's switch), without importing numpy here."""
-    if isinstance(value, bool):
-        return True
-    dtype = getattr(value, "dtype", None)
-    return type(value).__module__ == "numpy" and dtype is not None and dtype.kind == "b" and value.ndim == 0
-
-
 def check_estimate(model: GPTConfig, topology: Topology, *, micro_batch_size: object, microbatches: object,
                    chunks: object = 1, sequence_parallel: bool = False, zero: object = None, prefetch: object = 0,
                    recompute: object = "none", flags: Optional[dict] = None, what: str = "estimate") -> None:
@@ -230,9 +223,9 @@ def check_estimate(model: GPTConfig, topology: Topology, *, micro_batch_size: ob
     # sequence_parallel="no" was estimated with sequence parallelism (a truthy string), recompute="ful"
     # without recomputation
     for name, value in {"sequence_parallel": sequence_parallel, **(flags or {})}.items():
-        if not _is_bool(value):
+        if not isinstance(plain_bool(value), bool):      # numpy's bools too (a DataFrame row's)
             raise ValueError(f"{what}: {name}={value!r} must be True or False")
-    if not (_is_bool(recompute) or recompute is None
+    if not (isinstance(plain_bool(recompute), bool) or recompute is None
             or (isinstance(recompute, str) and recompute in ("none", "selective", "full"))):
         raise ValueError(f"{what}: recompute={recompute!r}; expected 'none', 'selective' or 'full' (or a bool)")
     for name, value in (("micro_batch_size", micro_batch_size), ("microbatches", microbatches), ("chunks", chunks)):
