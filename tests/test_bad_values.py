@@ -20,9 +20,9 @@ from mlmkit import Topology
 from mlmkit.estimate import estimate_comm, estimate_memory
 from mlmkit.model import GPTConfig
 from mlmkit.model.presets import preset
-from mlmkit.pipeline import make_schedule
+from mlmkit.pipeline import Schedule, from_torch, make_schedule, schedule_from_table, simulate, to_torch_csv, validate
 from mlmkit.pipeline.simulate import Costs
-from mlmkit.plan import Hardware, Layout, hardware, predict
+from mlmkit.plan import Hardware, Layout, hardware, plan, predict
 from mlmkit.train import TrainConfig
 
 BAD = [None, -1, 0, 1.5, -0.5, "x", float("nan"), float("inf"), True, 10**9, [], {}]
@@ -61,7 +61,7 @@ def _outcomes(make, base: dict, fields, annotations: dict) -> list[str]:
                 if not _of_type(annotations.get(field, ""), kept):
                     wrong.append(f"{field}={value!r} taken as {kept!r}, but the field is {annotations[field]}")
             except ValueError as e:
-                if field not in str(e):
+                if field not in str(e).lower():                     # "1000 GPUs" names gpus
                     wrong.append(f"{field}={value!r}: ValueError without the field's name: {e}")
             except Exception as e:                                   # noqa: BLE001 (the sweep's point)
                 wrong.append(f"{field}={value!r}: {type(e).__name__}: {e}")
@@ -76,6 +76,17 @@ def _predict(**layout):
     predict(preset("llama3-8b"), hardware("h100-sxm"), Layout(**layout), global_batch_size=64, seq_len=1024)
 
 
+_1F1B = make_schedule("1f1b", stages=2, microbatches=4)
+_TABLE = [dict(rank=r, kind=a.kind, microbatch=a.microbatch) for r in range(2) for a in _1F1B.compute_actions(r)]
+
+
+def _from_torch(**options):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return validate(from_torch(to_torch_csv(_1F1B, f"{tmp}/s.csv"), **options))
+
+
 # name: (make, a valid base, the fields swept, where their declared types are read)
 CASES = {
     "GPTConfig": (GPTConfig, MODEL, _fields(GPTConfig), GPTConfig),
@@ -88,6 +99,17 @@ CASES = {
                                         recompute="none", zero=1, sequence_parallel=True), _fields(Layout), Layout),
     "make_schedule": (lambda **k: make_schedule(k.pop("name"), **k), dict(name="1f1b", stages=2, microbatches=4),
                       ["stages", "microbatches", "chunks", "layers", "microbatch_group"], make_schedule),
+    # a schedule written by hand, read from torch's CSV, or built field by field, and its simulation
+    "schedule_from_table": (lambda **k: validate(schedule_from_table(_TABLE, **k)), dict(add_communication=True),
+                            ["stages", "microbatches", "chunks", "name", "add_communication", "placement"],
+                            schedule_from_table),
+    "from_torch": (_from_torch, {}, ["microbatches", "name"], from_torch),
+    "Schedule": (lambda **k: validate(Schedule(actions=_1F1B.actions, **k)),
+                 dict(name="mine", stages=2, microbatches=4, chunks=1, placement="loop"),
+                 ["name", "stages", "microbatches", "chunks", "placement"], Schedule),
+    "simulate": (lambda **k: simulate(_1F1B, Costs(), **k), {}, ["cores"], simulate),
+    "plan": (lambda **k: plan("llama3-8b", **k), dict(gpus=8, gpu="h100-sxm", global_batch_size=16, seq_len=512),
+             ["gpus", "gpu", "global_batch_size", "seq_len", "flash_attention", "top"], plan),
     "estimate_memory": (lambda **k: estimate_memory(GPTConfig(**MODEL), Topology(pp=2, dp=2), **k),
                         dict(micro_batch_size=2, microbatches=4, precision="fp32"),
                         ["micro_batch_size", "microbatches", "schedule", "chunks", "sequence_parallel", "recompute",

@@ -241,10 +241,11 @@ def test_ranks_sharing_cores_share_them_equally(p, m):
         assert max(alone.step_time, work / (p / 2)) - 1e-9 <= half <= work + 1e-9, name
 
 
-@pytest.mark.parametrize("cores", [0, -2, float("nan"), True, "2", [2]])
+@pytest.mark.parametrize("cores", [0, -2, float("nan"), float("inf"), True, "2", [2]])
 def test_cores_that_are_not_a_positive_number_are_refused(cores):
-    # True simulated as one core, "2" raised a TypeError from a comparison.
-    with pytest.raises(ValueError, match=rf"simulate: cores={re.escape(repr(cores))} must be a number > 0 \(or None"):
+    # True simulated as one core, "2" raised a TypeError from a comparison, inf was taken (as None).
+    with pytest.raises(ValueError, match=rf"simulate: cores={re.escape(repr(cores))} must be a finite number > 0 "
+                                         rf"\(or None"):
         simulate(make_schedule("1f1b", stages=2, microbatches=4), UNIFORM, cores=cores)
     assert simulate(make_schedule("1f1b", stages=2, microbatches=4), UNIFORM, cores=0.5).step_time > 0
 

@@ -177,6 +177,89 @@ def test_from_torch_refuses_what_it_cannot_place(tmp_path):
         from_torch(str(path))
 
 
+def _mutate(rows: list, rng) -> list:
+    """``rows`` (torch's cells per rank) with one to two random edits of the kinds a hand edit or a
+    truncated file makes: a cell dropped, doubled, moved (within its rank or to another), renumbered
+    (stage or microbatch, in range and out), given another kind, garbled or stripped of its
+    microbatch; a rank emptied, dropped or doubled."""
+    import re
+
+    rows = [list(r) for r in rows]
+    for _ in range(rng.randint(1, 2)):
+        r = rng.randrange(len(rows))
+        row = rows[r]
+        op = rng.choice(["drop", "dup", "swap", "move", "mb", "stage", "kind", "garbage", "no_mb", "empty_rank",
+                         "drop_rank", "dup_rank"])
+        if not row:
+            continue
+        i = rng.randrange(len(row))
+        if op == "drop":
+            del row[i]
+        elif op == "dup":
+            row.insert(rng.randrange(len(row) + 1), row[i])
+        elif op == "swap":
+            j = rng.randrange(len(row))
+            row[i], row[j] = row[j], row[i]
+        elif op == "move":
+            rows[rng.randrange(len(rows))].insert(0, row.pop(i))
+        elif op == "mb":
+            row[i] = re.sub(r"\d+$", str(rng.choice([0, 1, 3, 7, 8, 10**11])), row[i])
+        elif op == "stage":
+            row[i] = re.sub(r"^\d+", str(rng.choice([0, 1, 3, 4, 7, 8, 9])), row[i])
+        elif op == "kind":
+            row[i] = re.sub(r"[A-Z_]+", rng.choice(["F", "B", "I", "W", "X", "SEND_F", "RECV_B", "REDUCE_GRAD"]), row[i])
+        elif op == "garbage":
+            row[i] = rng.choice(["", " ", "abc", "F0", "0F-1", "0f0", "0F1.5", "1e3F0", " 0F0 "])
+        elif op == "no_mb":
+            row[i] = re.sub(r"\d+$", "", row[i])
+        elif op == "empty_rank":
+            rows[r] = []
+        elif op == "drop_rank":
+            del rows[r]
+        else:
+            rows.append(list(row))
+    return rows
+
+
+@pytest.mark.parametrize("fmt", ["compute_only", "compute_comms"])
+def test_an_edited_csv_loads_as_a_valid_schedule_or_is_refused_by_name(fmt, tmp_path):
+    # A CSV edited by hand or cut short either reads back as a schedule the validator accepts, or
+    # raises a ScheduleError: never another exception (a compute cell without its microbatch, "0F",
+    # failed with "'>' not supported between NoneType and int"), never a hang.
+    import csv
+    import random
+
+    from mlmkit.pipeline.torch_bridge import torch_rows
+
+    rng = random.Random(7)
+    path = tmp_path / "edited.csv"
+    outcomes = {"valid": 0, "refused": 0}
+    wrong = []
+    gens = [("gpipe", 3, 3, 1), ("1f1b", 4, 8, 1), ("interleaved-1f1b", 2, 4, 2), ("zb-h1", 4, 8, 1),
+            ("zb-v", 2, 4, 2), ("dualpipev", 4, 8, 2)]
+    for k in range(1200):
+        name, p, m, v = gens[k % len(gens)]
+        rows = _mutate(torch_rows(make_schedule(name, stages=p, microbatches=m, chunks=v), format=fmt), rng)
+        with open(path, "w", newline="") as f:
+            csv.writer(f).writerows(rows)
+        try:
+            validate(from_torch(path, microbatches=rng.choice([None, m])), batched=True)
+            outcomes["valid"] += 1
+        except ScheduleError:
+            outcomes["refused"] += 1
+        except Exception as err:                                   # noqa: BLE001 (the sweep's point)
+            wrong.append(f"{name} {rows}: {type(err).__name__}: {err}")
+    assert not wrong, "\n".join(wrong[:5])
+    assert min(outcomes.values()) > 20, outcomes                  # both outcomes drawn many times
+    path.write_text("0F0,1F\n")
+    with pytest.raises(ScheduleError, match="rank 0's '1F' names no microbatch: a compute action is "
+                                            r"\{stage\}F\{microbatch\}, e.g. '1F0'"):
+        from_torch(path)
+    for bad in (0, 2.5, "4", True):
+        with pytest.raises(ScheduleError, match=f"microbatches={bad!r} must be an integer >= 1"):
+            from_torch(path, microbatches=bad)
+
+
 def test_bad_exports_name_the_fix_and_leave_the_file_alone(tmp_path):
     # A bad format raised only once the file was open for writing: an existing schedule was emptied.
     # A schedule's name raised AttributeError; a pathlib.Path was taken for a torch schedule.

@@ -35,6 +35,8 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple, Optional, Sequence
 
+from mlmkit.scalars import plain_bool
+
 __all__ = [
     "COMPUTE", "COMM", "KINDS", "PLACEMENTS", "Action", "Schedule", "ScheduleError", "SCHEDULES", "V_SCHEDULES",
     "MAX_MICROBATCHES", "MAX_SCHEDULE_SIZE", "make_schedule", "schedule_from_table", "stage_rank",
@@ -109,6 +111,22 @@ class Schedule:
     actions: tuple[tuple[Action, ...], ...] = field(repr=False)
     placement: str = "loop"
     notes: tuple[str, ...] = field(default=(), repr=False, compare=False)
+
+    def __post_init__(self):
+        # Checked here, not only in validate(): a Schedule built by hand with chunks=None or
+        # placement=None was drawn and simulated as a loop, and microbatches="4" failed as
+        # "'<' not supported" deep in validate.
+        if not isinstance(self.name, str):
+            raise ScheduleError(f"name={self.name!r} must be a string (a generator's name, or 'custom')")
+        for key in ("stages", "microbatches", "chunks"):
+            _check_int(key, getattr(self, key))
+            object.__setattr__(self, key, int(getattr(self, key)))   # numpy integers: Python ints
+        if not isinstance(self.placement, str) or self.placement not in PLACEMENTS:
+            raise ScheduleError(f"placement={self.placement!r}: expected one of {', '.join(PLACEMENTS)}")
+        if not isinstance(self.actions, (tuple, list)) or not all(
+                isinstance(acts, (tuple, list)) and all(isinstance(a, Action) for a in acts) for acts in self.actions):
+            raise ScheduleError("actions must hold one sequence of mlmkit.pipeline.Action per rank; build them with "
+                                "Action(kind, microbatch, chunk, peer), or the schedule with schedule_from_table")
 
     @property
     def split_backward(self) -> bool:
@@ -574,6 +592,15 @@ def schedule_from_table(table, *, stages: Optional[int] = None, microbatches: Op
     and receives are inserted as the generators do. The result is not validated here: pass it to
     :func:`mlmkit.pipeline.validate` (the executor does so before running anything).
     """
+    for key, value in (("stages", stages), ("microbatches", microbatches), ("chunks", chunks)):
+        if value is not None:
+            _check_int(key, value)
+    if not isinstance(name, str):
+        raise ScheduleError(f"name={name!r} must be a string")
+    if not isinstance(plain_bool(add_communication), bool):
+        raise ScheduleError(f"add_communication={add_communication!r} must be True or False")
+    if not isinstance(placement, str) or placement not in PLACEMENTS:
+        raise ScheduleError(f"placement={placement!r}: expected one of {', '.join(PLACEMENTS)}")
     if not hasattr(table, "to_dict"):
         for i, r in enumerate(table):
             if not isinstance(r, dict) and len(r) not in (3, 5):
@@ -596,16 +623,19 @@ def schedule_from_table(table, *, stages: Optional[int] = None, microbatches: Op
         # (int() cut 1.5 to 1, and a blank chunk failed with "cannot convert float NaN to integer").
         clean.append((_table_int(row, "rank", i), row["kind"], _table_int(row, "microbatch", i),
                       _table_int(row, "chunk", i, default=0), _table_int(row, "peer", i, default=None)))
+    if not clean:
+        raise ScheduleError("the table has no rows: give one row per action (rank, kind, microbatch[, chunk, peer])")
     p = stages if stages is not None else 1 + max(r for r, *_ in clean)
     m = microbatches if microbatches is not None else 1 + max(mb for _, _, mb, _, _ in clean)
     v = chunks if chunks is not None else 1 + max(c for *_, c, _ in clean)
+    if p * m * v > MAX_SCHEDULE_SIZE:
+        raise ScheduleError(f"stages={p} x microbatches={m} x chunks={v} = {p * m * v}: at most {MAX_SCHEDULE_SIZE} "
+                            f"are planned (as make_schedule); use fewer stages or fewer, larger microbatches")
     per_rank: list[list] = [[] for _ in range(p)]
     for i, (r, kind, mb, chunk, peer) in enumerate(clean):
         if not 0 <= r < p:
             raise ScheduleError(f"row {i}: rank {r} is out of range for stages={p}")
         per_rank[r].append((kind, mb, chunk, peer))
-    if placement not in PLACEMENTS:
-        raise ScheduleError(f"placement={placement!r}: expected one of {', '.join(PLACEMENTS)}")
     if add_communication:
         orders = [[(k, mb, c) for k, mb, c, _ in acts] for acts in per_rank]
         return _with_communication(name, p, m, v, orders=orders, placement=placement)

@@ -586,8 +586,9 @@ def simulate(schedule: Schedule, costs: Union[Costs, Mapping[str, object]], *,
         validate(schedule)
         object.__setattr__(schedule, "_validated", True)
     costs = Costs.from_mapping(costs)
-    if cores is not None and (isinstance(cores, bool) or not isinstance(cores, numbers.Real) or not cores > 0):
-        raise ValueError(f"simulate: cores={cores!r} must be a number > 0 (or None: one processor per rank)")
+    if cores is not None and (isinstance(cores, bool) or not isinstance(cores, numbers.Real) or not cores > 0
+                              or cores == float("inf")):
+        raise ValueError(f"simulate: cores={cores!r} must be a finite number > 0 (or None: one processor per rank)")
     shared = cores is not None and cores < schedule.stages
     if shared:
         rows = shared_run(schedule, costs, cores=cores)

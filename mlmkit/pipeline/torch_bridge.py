@@ -30,7 +30,7 @@ import re
 from typing import Optional, Union
 
 from mlmkit.pipeline.batching import plan_batches
-from mlmkit.pipeline.schedule import Schedule, ScheduleError, schedule_from_table
+from mlmkit.pipeline.schedule import Schedule, ScheduleError, _check_int, schedule_from_table
 from mlmkit.pipeline.validate import validate
 
 __all__ = ["from_torch", "to_torch_csv", "torch_rows"]
@@ -124,6 +124,10 @@ def from_torch(source: Union[str, os.PathLike, object], *, name: str = "torch",
     appear; sends and receives are inserted as mlmkit's generators do, so the result runs in
     mlmkit's executor (either communication path). Validate it with :func:`mlmkit.pipeline.validate`.
     """
+    if microbatches is not None:
+        _check_int("microbatches", microbatches)
+    if not isinstance(name, str):
+        raise ScheduleError(f"name={name!r} must be a string")
     rows = _torch_order(source)
     p = len(rows)
     stage_rank: dict[int, int] = {}
@@ -133,6 +137,9 @@ def from_torch(source: Union[str, os.PathLike, object], *, name: str = "torch",
             stage, kind, mb = _parse(cell)
             if kind not in ("F", "B", "I", "W"):
                 continue
+            if mb is None:
+                raise ScheduleError(f"rank {r}'s {cell.strip()!r} names no microbatch: a compute action is "
+                                    f"{{stage}}{kind}{{microbatch}}, e.g. '{stage}{kind}0'")
             if stage_rank.setdefault(stage, r) != r:
                 raise ScheduleError(f"stage {stage} appears on ranks {stage_rank[stage]} and {r}")
             compute.append((r, kind, mb, stage))

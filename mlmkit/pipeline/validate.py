@@ -99,7 +99,8 @@ def _check_microbatch(schedule: Schedule, r: int, c: int, mb: int, vs: int, last
     f, b, i, w = where("F"), where("B"), where("I"), where("W")
     tag = f"microbatch {mb}" + (f", chunk {c}" if schedule.chunks > 1 else "")
     if f is None:
-        raise ScheduleError(f"has no forward F for {tag}", rank=r)
+        raise ScheduleError(f"has no forward F for {tag} (the schedule has microbatches={schedule.microbatches}, "
+                            f"chunks={schedule.chunks})", rank=r)
     if b is not None and (i is not None or w is not None):
         at = i if i is not None else w
         raise ScheduleError(f"runs both a full backward B (action #{b}) and a split one (I/W) for {tag}",
