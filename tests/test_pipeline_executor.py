@@ -1,5 +1,7 @@
 """The executor runs the same Schedule objects on real gloo ranks and matches the serial GPT."""
 
+import os
+
 import pandas as pd
 import pytest
 import torch
@@ -7,10 +9,12 @@ import torch
 from mlmkit import Topology
 from mlmkit.distributed import ProcessGroups, RankFailure, run_ranks
 from mlmkit.model import GPT, gather_full, tiny_config
-from mlmkit.pipeline import Action, ScheduleError, make_schedule, replay
+from mlmkit.pipeline import Action, Schedule, ScheduleError, make_schedule, replay
 from mlmkit.pipeline.executor import PipelineExecutor, build_model_chunks
 from mlmkit.trace import Tracer
 from mlmkit.trace.memory import MemoryTracker
+
+from random_schedules import random_schedule, seeds_from_env
 
 CFG = tiny_config(layers=8, hidden=32, heads=4, seq_len=8)
 MB_SIZE = 2
@@ -47,9 +51,7 @@ def _run_case(groups, tracer, case):
     pp = groups.topology.pp
     tracer.clear()
     group = None
-    if name == "interleaved-1f1b" and m % pp:          # Megatron's microbatch groups: a group of 3 at m = 5
-        group = next(n for n in range(pp, m + 1) if m % n == 0 or m % n >= pp)
-    schedule = make_schedule(name, stages=pp, microbatches=m, chunks=chunks, layers=CFG.layers, microbatch_group=group)
+    schedule = _schedule(case, pp)
     model_chunks = build_model_chunks(CFG, groups=groups, chunks=chunks, sequence_parallel=sp,
                                       split_backward=schedule.split_backward, placement=schedule.placement)
     ex = PipelineExecutor(schedule=schedule, chunks=model_chunks, groups=groups, batch_p2p=batch_p2p)
@@ -75,6 +77,17 @@ def _run_case(groups, tracer, case):
             "with_graph": with_graph,
             "events": tracer.event_frame(), "pp": groups.coords.pp, "batched": ex.batch_p2p,
             "comm": tracer.comm_frame()}
+
+
+def _schedule(case, pp) -> Schedule:
+    """A case's schedule: a generator's, by name, or a Schedule given as is (a random draw)."""
+    name, m, chunks = case[:3]
+    if isinstance(name, Schedule):
+        return name
+    group = None
+    if name == "interleaved-1f1b" and m % pp:          # Megatron's microbatch groups: a group of 3 at m = 5
+        group = next(n for n in range(pp, m + 1) if m % n == 0 or m % n >= pp)
+    return make_schedule(name, stages=pp, microbatches=m, chunks=chunks, layers=CFG.layers, microbatch_group=group)
 
 
 def _pipeline_sweep(rank, world_size, tp, pp, cases):
@@ -103,22 +116,29 @@ def _check(results, m, masked=False):
         assert diff <= TOL, f"{n}: max |grad diff| {diff:.2e}"
 
 
+def _describe(case) -> str:
+    name, *rest = case
+    if isinstance(name, Schedule):     # a random draw: its seed is in its name, its actions per rank
+        rows = [" ".join(f"{a.kind}{a.microbatch}" + (f".{a.chunk}" if name.chunks > 1 else "")
+                         for a in name.compute_actions(r)) for r in range(name.stages)]
+        return f"{name.name} ({name.placement}, m={name.microbatches}, v={name.chunks}; {' | '.join(rows)}) {rest}"
+    return str(case)
+
+
 def _sweep(tp, pp, cases):
-    per_rank = run_ranks(_pipeline_sweep, world_size=tp * pp, args=(tp, pp, cases), timeout_s=300)
+    # 0.1-0.4 s a case: a long sweep (MLMKIT_RANDOM_SCHEDULES) gets a second a case
+    per_rank = run_ranks(_pipeline_sweep, world_size=tp * pp, args=(tp, pp, cases), timeout_s=max(300, len(cases)))
     for i, case in enumerate(cases):
         name, m, chunks, sp, batch_p2p, masked, stepwise = case
         results = [per_rank[r][i] for r in range(tp * pp)]
         try:
             _check(results, m, masked)
         except AssertionError as err:
-            raise AssertionError(f"case {case}: {err}") from None
+            raise AssertionError(f"case {_describe(case)}: {err}") from None
         assert all(r["batched"] == batch_p2p for r in results)
         assert not any(r["with_graph"] for r in results), (case, [r["with_graph"] for r in results])
         # Every compute action of the schedule ran exactly once and was traced.
-        group = None
-        if name == "interleaved-1f1b" and m % pp:
-            group = next(n for n in range(pp, m + 1) if m % n == 0 or m % n >= pp)
-        sched = make_schedule(name, stages=pp, microbatches=m, chunks=chunks, microbatch_group=group)
+        sched = _schedule(case, pp)
         for r in results:
             assert len(r["events"]) == len(sched.compute_actions(r["pp"])), case
         # The measured step is never shorter than its own action times replayed with free messages
@@ -150,6 +170,45 @@ def test_every_schedule_matches_serial(pp, batch_p2p):
     # interleaving with m not divisible by p (Megatron's microbatch groups).
     odd = [("interleaved-1f1b", 5 if pp == 2 else 9, 2, False, batch_p2p, False, False)]
     _sweep(1, pp, _cases(pp, batch_p2p=batch_p2p) + odd)
+
+
+RANDOM_SCHEDULES = "MLMKIT_RANDOM_SCHEDULES"
+
+
+def _random_cases(pp: int, seeds, *, tp: int = 1) -> list[tuple]:
+    """One random valid order per seed (random_schedules.py): one chunk, interleaved in a loop or in
+    a V; B or I then W per microbatch and stage; forward-eager or backward-eager; with masked
+    targets, stepped action by action, sequence parallel (tp > 1) as the seed draws; both
+    communication paths."""
+    import random
+
+    out = []
+    for seed in seeds:
+        rng = random.Random(seed)
+        chunks, placement = rng.choice([(1, "loop"), (2, "loop"), (2, "v"), (4, "loop")] if pp == 2 else
+                                       [(1, "loop"), (2, "loop"), (2, "v")])
+        m = rng.choice([1, 2, 3, pp, 2 * pp + 1, 3 * pp])
+        sched = random_schedule(seed, stages=pp, microbatches=m, chunks=chunks, placement=placement,
+                                split=rng.choice([0.0, 0.5, 1.0]), eager=rng.choice([0.2, 0.5, 0.8]))
+        for batch_p2p in (False, True):
+            out.append((sched, m, chunks, tp > 1 and rng.random() < 0.5, batch_p2p, rng.random() < 0.3,
+                        rng.random() < 0.3))
+    return out
+
+
+@pytest.mark.parametrize("tp,pp,default", [(1, 2, "0:16"), (1, 4, "100:110"), (2, 2, "200:204")])
+def test_random_valid_schedules_match_serial(tp, pp, default):
+    # Not six orders but any the validator accepts (a schedule written by hand, or read from torch's
+    # CSV): drawn by playing a step out one ready action at a time, each must give the serial loss and
+    # gradients on both communication paths, run its actions once, hold no gradient graph, and take no
+    # less time than its own actions replayed. MLMKIT_RANDOM_SCHEDULES=A:B sweeps other seeds (for
+    # every tp x pp here); 600 seeds at pp=2 and at pp=4 and 200 at tp=2 x pp=2 passed, each on both paths.
+    seeds = seeds_from_env(RANDOM_SCHEDULES, default)
+    cases = _random_cases(pp, seeds, tp=tp)
+    drawn = {(c[0].chunks, c[0].placement, c[0].split_backward) for c in cases}
+    if RANDOM_SCHEDULES not in os.environ and (tp, pp) == (1, 2):
+        assert len(drawn) >= 5, drawn          # the default seeds draw loops, Vs, split and fused backward
+    _sweep(tp, pp, cases)
 
 
 def test_tp_pipeline_sequence_parallel_and_masked_targets():

@@ -32,7 +32,6 @@ tokens than the serial model, as documented on ``GPTConfig.moe_capacity_factor``
 routing together with them (it numbers each rank's own tokens: ``GPTConfig.moe_force_uniform``).
 """
 
-import os
 import random
 
 import pytest
@@ -48,6 +47,7 @@ from mlmkit.train.checkpoint import load_checkpoint, save_checkpoint
 from mlmkit.train.trainer import Trainer
 
 from parity_helpers import bf16_params_close, first_step_gradients, one_copy, reduced_gradients
+from random_schedules import seeds_from_env
 
 STEPS = 3
 LOSS_RTOL, GRAD_TOL, PARAM_TOL = 1e-5, 1e-5, 5e-5
@@ -66,19 +66,6 @@ BF16_ENV, BF16_DEFAULT = "MLMKIT_RANDOM_BF16_LAYOUTS", "1001,1005,1025"
 LAYOUT_KEYS = ("tp", "pp", "dp", "cp", "ep", "expert_tp", "cp_split", "schedule", "chunks", "microbatch_group",
                "sequence_parallel", "recompute", "zero", "prefetch", "reshard_after_forward", "bucket_bytes",
                "batch_p2p")
-
-
-def _seeds(env: str = "MLMKIT_RANDOM_LAYOUTS", default: str = "5") -> list[int]:
-    spec = os.environ.get(env, default).strip()
-    try:
-        if ":" in spec:
-            a, b = (int(x) for x in spec.split(":"))
-            return list(range(a, b))
-        if "," in spec:
-            return [int(x) for x in spec.split(",")]
-        return list(range(int(spec)))
-    except ValueError:
-        raise ValueError(f"{env}={spec!r}: give a count N, a range A:B or a list A,B,C of seeds") from None
 
 
 # ------------------------------------------------------------------------------------------ draws
@@ -306,13 +293,13 @@ def _check_layout(a: TrainConfig, b: TrainConfig, tmp_path, where: str) -> None:
     assert ok, (where, "resumed", why)
 
 
-@pytest.mark.parametrize("seed", _seeds())
+@pytest.mark.parametrize("seed", seeds_from_env("MLMKIT_RANDOM_LAYOUTS", "5"))
 def test_a_random_layout_trains_estimates_and_resumes_as_serial(seed, tmp_path):
     a, b = draw(seed)
     _check_layout(a, b, tmp_path, f"seed {seed}\n  A: {_describe(a)}\n  B: {_describe(b)}")
 
 
-@pytest.mark.parametrize("seed", _seeds(BF16_ENV, BF16_DEFAULT))
+@pytest.mark.parametrize("seed", seeds_from_env(BF16_ENV, BF16_DEFAULT))
 def test_a_random_layout_in_bf16_trains_estimates_and_resumes_as_serial(seed, tmp_path):
     # The same draws in bf16 mixed precision (bf16 parameters and activations, fp32 gradients and
     # master weights), held to bf16's tolerance: losses within 1%, first-step gradients and parameters

@@ -3,6 +3,7 @@ torch's ``_PipelineScheduleRuntime`` with PipelineStage modules built from mlmki
 torch's own schedules executed by mlmkit, all against the serial model."""
 
 from dataclasses import replace
+import re
 
 import pytest
 import torch
@@ -10,8 +11,11 @@ import torch
 from mlmkit import Topology
 from mlmkit.distributed import ProcessGroups, run_ranks
 from mlmkit.model import GPT, gather_full, tiny_config
-from mlmkit.pipeline import Action, ScheduleError, from_torch, make_schedule, simulate, to_torch_csv, validate
+from mlmkit.pipeline import (Action, Schedule, ScheduleError, from_torch, make_schedule, schedule_from_table, simulate,
+                             to_torch_csv, validate)
 from mlmkit.pipeline.executor import PipelineExecutor, build_model_chunks, sync_embedding_grads
+
+from random_schedules import random_schedule, seeds_from_env
 
 CFG = tiny_config(layers=8, hidden=32, heads=4, seq_len=8)
 MB = 2
@@ -67,7 +71,9 @@ def _cross(rank, world_size, cases):
     groups = ProcessGroups.build(Topology(pp=world_size))
     out = []
     for name, chunks, m, path, fmt in cases:
-        sched = make_schedule(name, stages=world_size, microbatches=m, chunks=chunks)
+        # a generator's schedule by name, or a Schedule as is (a random draw)
+        sched = name if isinstance(name, Schedule) else make_schedule(name, stages=world_size, microbatches=m,
+                                                                       chunks=chunks)
         tokens, targets = _data(m)
         ours = build_model_chunks(CFG, groups=groups, chunks=chunks, placement=sched.placement,
                                   split_backward=sched.split_backward)
@@ -95,7 +101,11 @@ def test_torch_runtime_runs_mlmkit_schedules_and_agrees(pp, tmp_path):
             path = to_torch_csv(make_schedule(name, stages=pp, microbatches=m, chunks=chunks),
                                 str(tmp_path / f"{name}-{fmt}.csv"), format=fmt)
             cases.append((name, chunks, m, path, fmt))
-    per_rank = run_ranks(_cross, world_size=pp, args=(cases,), timeout_s=300)
+    _check_cross(pp, cases)
+
+
+def _check_cross(pp, cases):
+    per_rank = run_ranks(_cross, world_size=pp, args=(cases,), timeout_s=max(300, 2 * len(cases)))
     for i, case in enumerate(cases):
         results = [r[i] for r in per_rank]
         losses = {k: [r[k][0] for r in results if r[k][0] is not None] for k in ("ours", "theirs")}
@@ -106,6 +116,59 @@ def test_torch_runtime_runs_mlmkit_schedules_and_agrees(pp, tmp_path):
             assert set(g_ours) == set(g_theirs)
             for n in g_ours:
                 assert (g_ours[n] - g_theirs[n]).abs().max().item() <= TOL, (case, n)
+
+
+@pytest.mark.parametrize("pp,default", [(2, "0:8"), (4, "100:104")])
+def test_torch_runtime_runs_random_valid_schedules_and_agrees(pp, default, tmp_path):
+    # Any valid order, not only the generators': drawn one ready action at a time (random_schedules.py),
+    # with the last stage's forwards in microbatch order (what torch's runtime needs, see the next
+    # test), written in both formats. 94 seeds at pp=2 and 80 at pp=4 agreed (MLMKIT_RANDOM_SCHEDULES).
+    import random
+
+    cases = []
+    for seed in seeds_from_env("MLMKIT_RANDOM_SCHEDULES", default):
+        rng = random.Random(seed)
+        chunks, placement = rng.choice([(1, "loop"), (2, "loop"), (2, "v")])
+        m = rng.choice([2, 3, pp, 2 * pp, 3 * pp])
+        sched = random_schedule(seed, stages=pp, microbatches=m, chunks=chunks, placement=placement,
+                                split=rng.choice([0.0, 0.5, 1.0]), eager=rng.choice([0.2, 0.5, 0.8]), last_in_order=True)
+        for fmt in ("compute_only", "compute_comms"):
+            cases.append((sched, chunks, m, to_torch_csv(sched, str(tmp_path / f"{seed}-{fmt}.csv"), format=fmt), fmt))
+    _check_cross(pp, cases)
+
+
+def _torch_on_csv(rank, world_size, path):
+    groups = ProcessGroups.build(Topology(pp=world_size))
+    sched = from_torch(path)
+    models = build_model_chunks(CFG, groups=groups)
+    loss = _torch_runtime(groups, sched, path, models, *_data(sched.microbatches))
+    sync_embedding_grads(models, groups.embedding)
+    return loss, _grads(models)
+
+
+def test_a_last_stage_whose_forwards_run_out_of_order_is_not_exported(tmp_path):
+    # torch's runtime takes microbatch k's loss from the last stage's k-th forward: random valid
+    # schedules whose last stage ran F3 first stopped torch with "Loss for microbatch 3 is not
+    # available" (its peer waiting for ever), and one that runs F1 before F0 gives silently wrong
+    # gradients. mlmkit's executor runs it right (it keys each loss by its microbatch).
+    rows = [(0, "F", 0), (0, "F", 1), (1, "F", 1), (1, "F", 0), (1, "B", 0), (1, "B", 1), (0, "B", 0), (0, "B", 1)]
+    swapped = validate(schedule_from_table(rows, add_communication=True), batched=True)
+    for fmt in ("compute_only", "compute_comms"):
+        with pytest.raises(ScheduleError, match=re.escape(
+                "rank 1, action #1 F(mb=1): torch's runtime takes microbatch k's loss from the last "
+                "stage's k-th forward, and this last stage runs its forwards in the order [1, 0]")):
+            to_torch_csv(swapped, str(tmp_path / "s.csv"), format=fmt)
+    assert not (tmp_path / "s.csv").exists()
+    # Why: the same schedule written by hand runs in torch's runtime with the serial loss and other
+    # gradients (if this starts to fail, torch's runtime has learned to find losses by microbatch).
+    path = tmp_path / "hand.csv"
+    path.write_text("0F0,0F1,0B0,0B1\n1F1,1F0,1B0,1B1\n")
+    per_rank = run_ranks(_torch_on_csv, world_size=2, args=(str(path),), timeout_s=120)
+    ref_loss, ref_grads = _serial(2)
+    assert abs([loss for loss, _ in per_rank if loss is not None][0] - ref_loss) <= TOL
+    worst = max((g - ref_grads[n]).abs().max().item() for _, grads in per_rank for n, g in grads.items()
+                if n != "head_weight")
+    assert worst > 0.01, worst
 
 
 def _serial(m):

@@ -19,6 +19,10 @@ forward and backward one after the other; its FSDP and gradient-reduction bookke
 (``UNSHARD``, ``RESHARD``, ``REDUCE_GRAD``) is dropped, and the messages are inserted as mlmkit's
 generators insert them.
 
+Written out, a schedule must also suit torch's runtime where it is narrower than mlmkit's executor:
+the last virtual stage must run its forwards in microbatch order (torch finds a microbatch's loss
+by position; see :func:`_check_loss_order`). Found by running random valid schedules in both.
+
 Pure planning code: actions are read from their text (``str(action)``), torch is not imported.
 """
 
@@ -49,6 +53,7 @@ def torch_rows(schedule: Schedule, *, format: str = "compute_only") -> list[list
     # torch's runtime runs what it is given: a schedule that cannot run right is refused here, with
     # the rank, the action and the reason, rather than as a hang or wrong gradients there.
     validate(schedule)
+    _check_loss_order(schedule)
     if format == "compute_comms":
         # torch's runtime posts each message without a tag: messages between two ranks pair in the
         # order they are posted. mlmkit's action order is only right with tags (a V placement sends a
@@ -77,6 +82,25 @@ def torch_rows(schedule: Schedule, *, format: str = "compute_only") -> list[list
                 row.append(f"{vs}{_COMM_TO_TORCH[a.kind]}{a.microbatch}")
         rows.append(row)
     return rows
+
+
+def _check_loss_order(schedule: Schedule) -> None:
+    """torch's runtime keeps the last stage's losses in a list, in the order of its forwards, and
+    gives the backward of microbatch ``i`` the ``i``-th (``_maybe_get_loss``): a last stage whose
+    forwards run out of microbatch order runs each backward from another microbatch's loss. Its
+    gradients are then silently wrong (a 2-stage schedule whose last stage runs F1 before F0: the
+    same loss, gradients 0.38 off), or it stops with "Loss for microbatch 3 is not available" while
+    its peers wait. mlmkit's executor keys each loss by its microbatch and runs any valid order."""
+    rank, chunk = schedule.rank_of(schedule.virtual_stages - 1)
+    order = [(i, a) for i, a in enumerate(schedule.actions[rank]) if a.kind == "F" and a.chunk == chunk]
+    for k, (i, a) in enumerate(order):
+        if a.microbatch != k:
+            raise ScheduleError(
+                f"torch's runtime takes microbatch k's loss from the last stage's k-th forward, and this last "
+                f"stage runs its forwards in the order {[b.microbatch for _, b in order]}: it would run backwards "
+                f"from other microbatches' losses (wrong gradients, or a stop half-way). Run the last virtual "
+                f"stage's forwards in microbatch order (its backwards may come in any), or run the schedule in "
+                f"mlmkit's executor", rank=rank, index=i, action=a)
 
 
 def to_torch_csv(schedule: Schedule, path: str, *, format: str = "compute_only") -> str:
