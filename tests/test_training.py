@@ -804,6 +804,10 @@ def test_a_corpus_no_rank_can_read_fails_before_any_process_group(corpus, needle
 @pytest.mark.parametrize("text,needle", [
     ("[1, 2]", "TrainConfig: expected an object of field names and values, got list [1, 2]"),
     ('{"model": [1]}', "TrainConfig.model must be a GPTConfig, got list"),
+    # a model or config without its required fields raised a TypeError from the constructor
+    ('{"model": {"hidden": 64}}', "GPTConfig: missing key(s) ['vocab_size', 'seq_len', 'heads', 'layers']; each "
+                                  "needs a value"),
+    ('{"tp": 2}', "TrainConfig: missing key(s) ['model']; each needs a value"),
     ('{"model": {"vocab_size": 256}, "tp": 2', "not valid JSON"),
     (None, "cannot be read: Is a directory")])
 def test_a_config_file_that_is_no_config_is_named(text, needle, tmp_path):
@@ -814,6 +818,15 @@ def test_a_config_file_that_is_no_config_is_named(text, needle, tmp_path):
         path.write_text(text)
     with pytest.raises(ValueError, match=rf"config file {path if text else tmp_path}:? .*{re.escape(needle)}"):
         TrainConfig.from_file(str(path) if text else str(tmp_path))
+
+
+@pytest.mark.parametrize("flag", ["--load", "--save-dir", "--metrics-out"])
+def test_an_empty_path_flag_is_refused_before_the_run(flag):
+    # "" passed the path checks as the current folder; --metrics-out '' failed to open only after the
+    # whole run had trained.
+    out = subprocess.run([sys.executable, "-m", "mlmkit.train", "--print-world-size", flag, ""], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode != 0 and f"python -m mlmkit.train: {flag}='' is empty: give a path" in out.stderr, out.stderr
 
 
 def test_a_batch_job_records_no_traces(tmp_path):

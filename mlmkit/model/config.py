@@ -12,13 +12,13 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Iterable, Mapping, Set as AbstractSet
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Optional, Sequence
 
 from mlmkit.scalars import plain_bool
 
 __all__ = ["ATTENTIONS", "MLPS", "NORMS", "POSITIONS", "ROUTERS", "DROP_POLICIES", "GPTConfig", "split_layers", "llama_config", "moe_config",
-           "reject_unknown_keys", "tiny_config"]
+           "check_keys", "tiny_config", "MAX_EXPERTS", "MAX_LAYERS"]
 
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
@@ -28,9 +28,19 @@ ROUTERS = ("softmax", "sigmoid")
 DROP_POLICIES = ("probs", "position")
 
 
-def reject_unknown_keys(cls, data: dict) -> None:
-    """ValueError naming every key of ``data`` that is not a field of the dataclass ``cls`` (or
-    ``data`` itself when it is not a mapping of field names to values)."""
+#: Most layers a GPTConfig takes: the model, the executor and the estimators place every layer by
+#: index (``layers=10**9`` filled 24 GB in a plan's stage split before it could answer); real models
+#: have at most a few hundred.
+MAX_LAYERS = 2**16
+#: Most experts per layer a GPTConfig takes: the model builds each expert, and the estimators count
+#: each expert's tokens (``experts=10**20`` was a MemoryError); real mixtures have at most a few hundred.
+MAX_EXPERTS = 2**16
+
+
+def check_keys(cls, data: dict) -> None:
+    """ValueError naming every key of ``data`` that is not a field of the dataclass ``cls``, every
+    field without a default that ``data`` lacks (a TypeError from the constructor before), or
+    ``data`` itself when it is not a mapping of field names to values."""
     if not isinstance(data, Mapping):
         raise ValueError(f"{cls.__name__}: expected an object of field names and values, got "
                          f"{type(data).__name__} {data!r:.60}")
@@ -38,6 +48,10 @@ def reject_unknown_keys(cls, data: dict) -> None:
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"{cls.__name__}: unknown key(s) {unknown}; known keys are {sorted(known)}")
+    missing = [f.name for f in fields(cls) if f.name not in data and f.default is MISSING
+               and f.default_factory is MISSING]
+    if missing:
+        raise ValueError(f"{cls.__name__}: missing key(s) {missing}; each needs a value")
 
 
 def _positive_int(name: str, value: object) -> None:
@@ -173,6 +187,9 @@ class GPTConfig:
                 object.__setattr__(self, f.name, float(value))
         for name in ("vocab_size", "seq_len", "hidden", "heads", "layers", "make_vocab_size_divisible_by"):
             _positive_int(name, getattr(self, name))
+        if self.layers > MAX_LAYERS:
+            raise ValueError(f"GPTConfig: layers={self.layers} is more than mlmkit plans, builds or estimates "
+                             f"(at most {MAX_LAYERS})")
         if self.ffn_hidden is not None:
             _positive_int("ffn_hidden", self.ffn_hidden)
         if self.kv_heads is not None:
@@ -206,6 +223,9 @@ class GPTConfig:
     def _check_moe(self) -> None:
         if isinstance(self.experts, bool) or not isinstance(self.experts, int) or self.experts < 0:
             raise ValueError(f"GPTConfig: experts={self.experts!r} must be an integer >= 0 (0: dense MLP)")
+        if self.experts > MAX_EXPERTS:
+            raise ValueError(f"GPTConfig: experts={self.experts} is more than mlmkit plans, builds or estimates "
+                             f"(at most {MAX_EXPERTS} per layer)")
         _positive_int("top_k", self.top_k)
         _choice("moe_router", self.moe_router, ROUTERS)
         _choice("moe_drop_policy", self.moe_drop_policy, DROP_POLICIES)
@@ -330,7 +350,7 @@ class GPTConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "GPTConfig":
-        reject_unknown_keys(cls, data)
+        check_keys(cls, data)
         return cls(**data)
 
 

@@ -54,7 +54,7 @@ def search_space(model: GPTConfig, hw: Hardware, *, gpus: int, global_batch_size
     if fixed.get("ep") is not None:
         check_ep(model, fixed["ep"])
     # expert parallelism: whole experts over ep of a stage's tp x cp x dp ranks (mixtures of experts only)
-    eps = options("ep", divisors(model.experts) if model.moe and hw.runtime != "mlmkit" else [1])
+    eps = options("ep", divisors(model.experts, at_most=gpus) if model.moe and hw.runtime != "mlmkit" else [1])
     out = []
     sp = fixed.get("sequence_parallel", True)
     checked, refused = {}, []
@@ -104,7 +104,7 @@ def search_space(model: GPTConfig, hw: Hardware, *, gpus: int, global_batch_size
         for cp in options("cp", cps):
             if gpus % (t * cp):
                 continue
-            for p in options("pp", divisors(gpus // (t * cp))):
+            for p in options("pp", divisors(gpus // (t * cp), at_most=model.layers)):
                 if p > model.layers or gpus % (t * cp * p):
                     continue
                 d = gpus // (t * cp * p)

@@ -184,15 +184,52 @@ class Layout:
 
 
 @functools.lru_cache(maxsize=4096)
+def _chunk_sums(model: GPTConfig, t: int, p: int, v: int, sp: bool, r: int) -> tuple:
+    """Per chunk of pipeline rank ``r`` (tp ``t``, ``v`` chunks in a loop, whole experts on the rank):
+    ``(pre_process, layers, root, layer)``, ``root`` and ``layer`` being ``(dense numel, expert
+    numel, tensors)`` of the chunk's parameters outside its layers (embedding, head, final norm)
+    and of one of its layers.
+
+    Counted on a model of one layer per virtual stage (every layer of a GPTConfig has the same
+    parameters), and with two expert counts, since a layer's parameters grow linearly with the
+    experts (the router's rows, the experts' weights): listing every tensor of the whole model took
+    31 s for a 61-layer, 256-expert plan on 1024 GPUs, and minutes to forever as the layers or the
+    experts grew (``--experts 10**6`` filled 14 GB)."""
+    topo = Topology(tp=t, pp=p)
+    E = model.experts
+
+    def sums(m: GPTConfig) -> list[tuple]:
+        out = []
+        for st in stage_layout(m, topo, pp_rank=r, chunks=v):
+            root, layer = [0, 0, 0], [0, 0, 0]
+            for q in local_parameters(m, topo, pp_rank=r, chunks=v, sequence_parallel=sp, only_chunk=st["chunk"]):
+                into = layer if q.name.startswith("layers.") else root
+                into[1 if q.expert else 0] += q.numel
+                into[2] += 1
+            out.append((st["pre_process"], tuple(root), tuple(layer)))
+        return out
+
+    one = replace(model, layers=p * v)
+    if E:
+        k = model.top_k            # two expert counts; the count at E follows the line through them
+        a, b = sums(replace(one, experts=k)), sums(replace(one, experts=k + 1))
+        at = [(pre, root, tuple(x + (y - x) * (E - k) for x, y in zip(la, lb)))
+              for (pre, root, la), (_, _, lb) in zip(a, b)]
+    else:
+        at = sums(one)
+    counts = [len(st["layers"]) for st in stage_layout(model, topo, pp_rank=r, chunks=v)]
+    return tuple((pre, n, root, layer) for n, (pre, root, layer) in zip(counts, at))
+
+
+@functools.lru_cache(maxsize=4096)
 def _stage_split(model: GPTConfig, t: int, p: int, v: int, sp: bool, ep: int) -> tuple:
     """``(dense, expert)`` parameters per GPU of the largest pipeline stage (first or last), the
     experts split over ``ep`` ranks (whole experts, ``expert_tp = 1``)."""
-    topo = Topology(tp=t, pp=p)
     best = (0, 0)
     for r in {0, p - 1}:
-        params = local_parameters(model, topo, pp_rank=r, chunks=v, sequence_parallel=sp)
-        expert = sum(q.numel for q in params if q.expert) // ep
-        dense = sum(q.numel for q in params if not q.expert)
+        chunks = _chunk_sums(model, t, p, v, sp, r)
+        dense = sum(root[0] + n * layer[0] for _, n, root, layer in chunks)
+        expert = sum(root[1] + n * layer[1] for _, n, root, layer in chunks) // ep
         best = max(best, (dense, expert), key=sum)
     return best
 
@@ -203,22 +240,14 @@ def _gathered_pair(model: GPTConfig, t: int, p: int, v: int, sp: bool, ep: int) 
     two consecutive units in the order of use (each unit gathered while the one before it computes;
     a unit: a layer, or a chunk's embedding, final norm and head together), experts split over ``ep``.
     A stage of one layer and no embedding holds that layer alone."""
-    topo = Topology(tp=t, pp=p)
     best = 0.0
     for r in {0, p - 1}:
         units = []
-        for st in stage_layout(model, topo, pp_rank=r, chunks=v):
-            root, per_layer = 0.0, {}
-            for q in local_parameters(model, topo, pp_rank=r, chunks=v, sequence_parallel=sp, only_chunk=st["chunk"]):
-                n = q.numel / (ep if q.expert else 1)
-                if q.name.startswith("layers."):                   # "layers.<i>.<...>"
-                    i = int(q.name.split(".", 2)[1])
-                    per_layer[i] = per_layer.get(i, 0.0) + n
-                else:
-                    root += n
-            layers = [per_layer.get(i, 0.0) for i in st["layers"]]
-            units += ([root] if st["pre_process"] and root else []) + layers \
-                + ([root] if root and not st["pre_process"] else [])
+        for pre, n, root, layer in _chunk_sums(model, t, p, v, sp, r):
+            rest, each = root[0] + root[1] / ep, layer[0] + layer[1] / ep
+            # a chunk's units: its root (before its layers on the first stage, after them elsewhere)
+            # and its layers; the largest pairs need at most two of its layers
+            units += ([rest] if pre and rest else []) + [each] * min(n, 2) + ([rest] if rest and not pre else [])
         pairs = [a + b for a, b in zip(units, units[1:])] or units
         best = max(best, max(pairs, default=0.0))
     return best
@@ -230,11 +259,16 @@ def _check_split(model: GPTConfig, t: int, p: int, v: int, cp: int, ep: int, sp:
     model.check_parallel(tp=t, pp=p, chunks=v, cp=cp, ep=ep, sequence_parallel=sp)
 
 
-def divisors(n: int) -> list[int]:
-    """The divisors of ``n``, ascending, in O(sqrt(n)) steps (a scan up to ``n`` took 2 minutes for
-    ``--gpus 1000000000`` before the search could say that no layout divides the job)."""
+def divisors(n: int, *, at_most: Optional[int] = None) -> list[int]:
+    """The divisors of ``n`` (those ``<= at_most`` when given), ascending, in O(min(sqrt(n), at_most))
+    steps: a scan up to ``n`` took 2 minutes for ``--gpus 1000000000`` before the search could say
+    that no layout divides the job, and one up to sqrt(n) still does not end for ``--gpus 10**20``,
+    where only pipelines up to the model's layers are asked for."""
+    if at_most is not None and at_most <= math.isqrt(n):
+        return [k for k in range(1, at_most + 1) if n % k == 0]
     small = [k for k in range(1, math.isqrt(n) + 1) if n % k == 0]
-    return small + [n // k for k in reversed(small) if k * k != n]
+    out = small + [n // k for k in reversed(small) if k * k != n]
+    return out if at_most is None else [k for k in out if k <= at_most]
 
 
 def check_ep(model: GPTConfig, ep: int) -> None:
@@ -258,9 +292,10 @@ def _check_experts(model: GPTConfig, L: "Layout") -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def _stage_tensors(model: GPTConfig, t: int, p: int, v: int, sp: bool) -> list:
-    topo = Topology(tp=t, pp=p)
-    return max((local_parameters(model, topo, pp_rank=r, chunks=v, sequence_parallel=sp) for r in {0, p - 1}), key=len)
+def _stage_tensors(model: GPTConfig, t: int, p: int, v: int, sp: bool) -> int:
+    """Parameter tensors of the end stage with the most (first or last)."""
+    return max(sum(root[2] + n * layer[2] for _, n, root, layer in _chunk_sums(model, t, p, v, sp, r))
+               for r in {0, p - 1})
 
 
 @functools.lru_cache(maxsize=256)
@@ -517,7 +552,7 @@ def _predict_mlmkit(model: GPTConfig, hw: Hardware, L: Layout, *, m: int, s: int
     # sums, the gradient reduction over dp (ZeRO-3: per unit, its reduce-scatter after the unit's
     # backward, its gathers before each forward and backward), the tied embedding between first and
     # last stage, the loss and gradient-norm all-reduces over the world; the optimizer on every rank
-    tensors = len(_stage_tensors(model, t, p, v, sp))
+    tensors = _stage_tensors(model, t, p, v, sp)
     replicas = d * cp
 
     def once_per_step(r: int) -> tuple[float, float]:

@@ -173,6 +173,12 @@ def check_paths(args, cfg: TrainConfig) -> None:
     """The files a run reads and writes, checked before any process group exists: a checkpoint to
     resume that is missing or of another model, or an output that cannot be written (found only
     after the whole run before), raise ValueError naming the flag."""
+    for flag in ("load", "save_dir", "metrics_out"):
+        value = getattr(args, flag)
+        if value is not None and not value.strip():
+            # "" passed every check below as the current folder, and --metrics-out '' failed to open
+            # only after the whole run
+            raise ValueError(f"--{flag.replace('_', '-')}={value!r} is empty: give a path")
     if args.load is not None:
         from mlmkit.train.checkpoint import CheckpointError, check_checkpoint, checkpoint_step
 

@@ -8,7 +8,7 @@ import os
 from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
-from mlmkit.model.config import GPTConfig, reject_unknown_keys
+from mlmkit.model.config import GPTConfig, check_keys
 from mlmkit.pipeline.schedule import MAX_MICROBATCHES, SCHEDULES, make_schedule
 from mlmkit.scalars import plain_bool
 from mlmkit.topology import Topology
@@ -268,10 +268,8 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "TrainConfig":
-        reject_unknown_keys(cls, data)
+        check_keys(cls, data)
         data = dict(data)
-        if "model" not in data:
-            raise ValueError("TrainConfig: the 'model' section is missing")
         data["model"] = GPTConfig.from_dict(data["model"]) if isinstance(data["model"], dict) else data["model"]
         return cls(**data)
 
