@@ -68,7 +68,8 @@ from typing import Optional, Sequence, Union
 from mlmkit.estimate.params import (check_estimate, local_parameters, moe_idle_experts, moe_kept_by_expert,
                                     shard_unit_sizes, stage_layout)
 from mlmkit.model.config import GPTConfig
-from mlmkit.pipeline.schedule import make_schedule
+from mlmkit.pipeline.schedule import Schedule, make_schedule
+from mlmkit.pipeline.validate import validate
 from mlmkit.topology import Topology
 
 __all__ = ["PRECISIONS", "Precision", "activation_bytes_per_layer", "bytes_per_parameter", "estimate_memory",
@@ -409,7 +410,7 @@ def _pad_mask(model: GPTConfig, *, t: int, tp_rank: int) -> int:
 
 
 def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: int, microbatches: int,
-                    schedule: str = "1f1b", chunks: int = 1, sequence_parallel: bool = False,
+                    schedule: Union[str, Schedule] = "1f1b", chunks: int = 1, sequence_parallel: bool = False,
                     recompute: Union[bool, str] = False, zero1: bool = False, precision: Optional[str] = None,
                     implementation: str = "mlmkit", layers_per_stage: Optional[Sequence[int]] = None,
                     microbatch_group: Optional[int] = None, zero: Optional[int] = None, prefetch: int = 0,
@@ -426,6 +427,8 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
     with ``reshard_after_forward=False``); gradients are whole until a layer's last backward of the
     step has passed, then an fp32 shard (whole until the update under a split backward).
     ``per_token_loss=False`` (the mean of the microbatches' means) keeps each microbatch's target count.
+    ``schedule``: a generator's name, or a :class:`~mlmkit.pipeline.Schedule` of one's own (hand-written,
+    read from torch's CSV) for this pipeline: the activations held are counted from its actions.
     """
     import pandas as pd
 
@@ -437,8 +440,20 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
                    sequence_parallel=sequence_parallel, zero=zero, prefetch=prefetch, recompute=recompute,
                    flags=dict(zero1=zero1, reshard_after_forward=reshard_after_forward, per_token_loss=per_token_loss),
                    what="estimate_memory")
-    sched = make_schedule(schedule, stages=topology.pp, microbatches=microbatches, chunks=chunks, layers=model.layers,
-                          microbatch_group=microbatch_group)
+    if isinstance(schedule, Schedule):
+        # a schedule of one's own (schedule_from_table, from_torch): its actions, checked to run and
+        # to be this run's (a peak read from another pipeline's actions would be silently wrong)
+        got = (schedule.stages, schedule.microbatches, schedule.chunks)
+        if got != (topology.pp, microbatches, chunks):
+            raise ValueError(f"estimate_memory: the schedule has stages={got[0]}, microbatches={got[1]}, chunks={got[2]}; "
+                             f"this estimate has pp={topology.pp}, microbatches={microbatches}, chunks={chunks}")
+        if microbatch_group is not None:
+            raise ValueError("estimate_memory: microbatch_group builds a named schedule; a Schedule given as is "
+                             "already has its order")
+        sched = validate(schedule)
+    else:
+        sched = make_schedule(schedule, stages=topology.pp, microbatches=microbatches, chunks=chunks,
+                              layers=model.layers, microbatch_group=microbatch_group)
     placement = sched.placement
     cp = topology.cp
     s, b, t = model.seq_len // cp, micro_batch_size, topology.tp          # s: this rank's tokens
