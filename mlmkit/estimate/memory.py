@@ -445,8 +445,9 @@ def estimate_memory(model: GPTConfig, topology: Topology, *, micro_batch_size: i
         # to be this run's (a peak read from another pipeline's actions would be silently wrong)
         got = (schedule.stages, schedule.microbatches, schedule.chunks)
         if got != (topology.pp, microbatches, chunks):
-            raise ValueError(f"estimate_memory: the schedule has stages={got[0]}, microbatches={got[1]}, chunks={got[2]}; "
-                             f"this estimate has pp={topology.pp}, microbatches={microbatches}, chunks={chunks}")
+            raise ValueError(f"estimate_memory: the schedule has stages={got[0]}, microbatches={got[1]}, "
+                             f"chunks={got[2]}; this estimate has pp={topology.pp}, microbatches={microbatches}, "
+                             f"chunks={chunks}")
         if microbatch_group is not None:
             raise ValueError("estimate_memory: microbatch_group builds a named schedule; a Schedule given as is "
                              "already has its order")
