@@ -71,3 +71,16 @@ def random_schedule(seed: int, *, stages: int, microbatches: int, chunks: int = 
         rows.append({"rank": rank, "kind": kind, "microbatch": mb, "chunk": chunk})
     return schedule_from_table(rows, stages=p, microbatches=m, chunks=v, name=f"random-{seed}",
                                add_communication=True, placement=placement)
+
+
+def draw_schedule(seed: int, *, stages: int, placements, microbatches, last_in_order: bool = False):
+    """``(schedule, rng)``: the seed's random generator picks ``(chunks, placement)`` from
+    ``placements``, the microbatches from ``microbatches``, B / I+W and forward- or backward-eagerness,
+    then draws the order (:func:`random_schedule`); ``rng`` goes on to draw the rest of a case."""
+    rng = random.Random(seed)
+    chunks, placement = rng.choice(placements)
+    m = rng.choice(microbatches)
+    sched = random_schedule(seed, stages=stages, microbatches=m, chunks=chunks, placement=placement,
+                            split=rng.choice([0.0, 0.5, 1.0]), eager=rng.choice([0.2, 0.5, 0.8]),
+                            last_in_order=last_in_order)
+    return sched, rng

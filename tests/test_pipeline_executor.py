@@ -14,7 +14,7 @@ from mlmkit.pipeline.executor import PipelineExecutor, build_model_chunks
 from mlmkit.trace import Tracer
 from mlmkit.trace.memory import MemoryTracker
 
-from random_schedules import random_schedule, seeds_from_env
+from random_schedules import draw_schedule, seeds_from_env
 
 CFG = tiny_config(layers=8, hidden=32, heads=4, seq_len=8)
 MB_SIZE = 2
@@ -193,19 +193,14 @@ def _random_cases(pp: int, seeds, *, tp: int = 1) -> list[tuple]:
     a V; B or I then W per microbatch and stage; forward-eager or backward-eager; with masked
     targets, stepped action by action, sequence parallel (tp > 1) as the seed draws; both
     communication paths."""
-    import random
-
     out = []
+    placements = [(1, "loop"), (2, "loop"), (2, "v")] + ([(4, "loop")] if pp == 2 else [])
     for seed in seeds:
-        rng = random.Random(seed)
-        chunks, placement = rng.choice([(1, "loop"), (2, "loop"), (2, "v"), (4, "loop")] if pp == 2 else
-                                       [(1, "loop"), (2, "loop"), (2, "v")])
-        m = rng.choice([1, 2, 3, pp, 2 * pp + 1, 3 * pp])
-        sched = random_schedule(seed, stages=pp, microbatches=m, chunks=chunks, placement=placement,
-                                split=rng.choice([0.0, 0.5, 1.0]), eager=rng.choice([0.2, 0.5, 0.8]))
+        sched, rng = draw_schedule(seed, stages=pp, placements=placements,
+                                   microbatches=[1, 2, 3, pp, 2 * pp + 1, 3 * pp])
         for batch_p2p in (False, True):
-            out.append((sched, m, chunks, tp > 1 and rng.random() < 0.5, batch_p2p, rng.random() < 0.3,
-                        rng.random() < 0.3))
+            out.append((sched, sched.microbatches, sched.chunks, tp > 1 and rng.random() < 0.5, batch_p2p,
+                        rng.random() < 0.3, rng.random() < 0.3))
     return out
 
 
