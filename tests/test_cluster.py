@@ -520,6 +520,33 @@ def test_a_relative_corpus_is_the_drivers_file(cluster, tmp_path, monkeypatch):
     session.close()
 
 
+def test_a_schedule_file_runs_its_order_on_the_engines_as_the_driver_read_it(cluster, tmp_path, monkeypatch):
+    # A relative schedule file in the driver's folder: the engines run the order the driver read
+    # and checked (carried with the config), even once the file is gone; the same order as zb-h1's
+    # gives zb-h1's loss to the bit, and every rank runs the file's compute actions in order.
+    from mlmkit.pipeline import to_torch_csv
+
+    named = CFG.replace(schedule="zb-h1")
+    whole = cluster.session(named)
+    reference = whole.step()["loss"]
+    whole.close()
+    monkeypatch.chdir(tmp_path)
+    to_torch_csv(named.pipeline_schedule(), "zbh1.csv")
+    session = cluster.session(named.replace(schedule="zbh1.csv"))
+    (tmp_path / "zbh1.csv").unlink()
+    assert session.schedule.compute_actions(1) == named.pipeline_schedule().compute_actions(1)
+    for _ in range(3):
+        session.step_action()
+    session.reset_step()                      # half a step dropped: every rank re-joins, the file gone
+    assert session.step()["loss"] == reference
+    events = session.traces()["events"].query("step == 0")
+    for rank in range(4):
+        ran = events[(events["rank"] == rank) & events["action"].isin(list("FBIW"))].sort_values("start")
+        want = [(a.kind, a.microbatch) for a in named.pipeline_schedule().compute_actions(CFG.topology.coords(rank).pp)]
+        assert list(zip(ran["action"], ran["microbatch"]))[-len(want):] == want, rank
+    session.close()
+
+
 def test_a_session_resumes_a_batch_checkpoint_and_saves_every_step(cluster, tmp_path):
     # Never tested before: a session given one checkpoint's folder (a batch job's step_000003)
     # started at step 0 without a word, a mistyped folder too, and a folder that was a file or held

@@ -33,6 +33,7 @@ routing together with them (it numbers each rank's own tokens: ``GPTConfig.moe_f
 """
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,13 +42,14 @@ from mlmkit.distributed import ProcessGroups, run_ranks
 from mlmkit.estimate import estimate_train_comm, estimate_train_memory
 from mlmkit.estimate.compare import compare_comm, compare_memory
 from mlmkit.model import GPTConfig, gather_full
+from mlmkit.pipeline import to_torch_csv
 from mlmkit.trace.export import merge_traces
 from mlmkit.train import TrainConfig
 from mlmkit.train.checkpoint import load_checkpoint, save_checkpoint
 from mlmkit.train.trainer import Trainer
 
 from parity_helpers import bf16_params_close, first_step_gradients, one_copy, reduced_gradients
-from random_schedules import seeds_from_env
+from random_schedules import random_schedule, seeds_from_env
 
 STEPS = 3
 LOSS_RTOL, GRAD_TOL, PARAM_TOL = 1e-5, 1e-5, 5e-5
@@ -63,6 +65,8 @@ BF16_ROUTED_RTOL = 0.25
 # The bf16 sweep's seeds (other draws than the fp32 sweep's defaults; ``N``, ``A:B`` or ``A,B,C``): by
 # default a mixture of experts over ep=4 (GPipe), tp=4 x cp=2 with ZeRO-3, and zb-v with tp=4 and ZeRO-1.
 BF16_ENV, BF16_DEFAULT = "MLMKIT_RANDOM_BF16_LAYOUTS", "1001,1005,1025"
+# The share of pipelined layouts that run a random order from a schedule file (TrainConfig.schedule).
+FILE_SCHEDULES = 0.25
 LAYOUT_KEYS = ("tp", "pp", "dp", "cp", "ep", "expert_tp", "cp_split", "schedule", "chunks", "microbatch_group",
                "sequence_parallel", "recompute", "zero", "prefetch", "reshard_after_forward", "bucket_bytes",
                "batch_p2p")
@@ -133,8 +137,31 @@ def _valid(model: dict, layout: dict, training: dict):
     return cfg
 
 
-def draw(seed: int) -> tuple[TrainConfig, TrainConfig]:
-    """Seed -> (layout A, layout B): two valid configs of one model and one batch, A on 2+ ranks."""
+def _schedule_file(cfg: TrainConfig, rng: random.Random, path) -> TrainConfig:
+    """``cfg`` running a random valid order of its pipeline (any order the validator accepts, B or I+W
+    per microbatch and stage, forward- to backward-eager) from a CSV file in torch's format written
+    at ``path``, in place of its named schedule."""
+    order = random_schedule(rng.randrange(2**31), stages=cfg.pp, microbatches=cfg.microbatches, chunks=cfg.chunks,
+                            placement=cfg.placement, split=rng.choice([0.0, 0.5, 1.0]),
+                            eager=rng.choice([0.2, 0.5, 0.8]), last_in_order=True)
+    to_torch_csv(order, str(path), format=rng.choice(["compute_only", "compute_comms"]))
+    return cfg.replace(schedule=str(path), microbatch_group=None)
+
+
+def draw(seed: int, directory) -> tuple[TrainConfig, TrainConfig]:
+    """Seed -> (layout A, layout B): two valid configs of one model and one batch, A on 2+ ranks.
+    A pipelined layout runs, one time in four, a random order of its own read from a schedule file
+    written into ``directory`` (drawn by a generator of its own: the other draws stay the seed's)."""
+    a, b = _draw_named(seed)
+    files = random.Random(seed + 10**6)
+    if a.pp > 1 and files.random() < FILE_SCHEDULES:
+        a = _schedule_file(a, files, Path(directory) / f"seed{seed}-a.csv")
+    if b.pp > 1 and files.random() < FILE_SCHEDULES:
+        b = _schedule_file(b, files, Path(directory) / f"seed{seed}-b.csv")
+    return a, b
+
+
+def _draw_named(seed: int) -> tuple[TrainConfig, TrainConfig]:
     rng = random.Random(seed)
     for _ in range(1000):
         model = _model(rng)
@@ -275,6 +302,14 @@ def _check_layout(a: TrainConfig, b: TrainConfig, tmp_path, where: str) -> None:
     ok, why = params_close(_merged(got, "params"), ref["params"])
     assert ok, (where, "parameters", why)
 
+    # Every rank ran its schedule's compute actions in their order (a schedule file's, not a generator's).
+    events = merge_traces([r["traces"] for r in got])["events"]
+    order = a.pipeline_schedule()
+    for rank in range(a.world_size):
+        ran = events[(events["rank"] == rank) & events["action"].isin(list("FBIW"))].sort_values("start")
+        want = [(x.kind, x.microbatch, x.chunk) for x in order.compute_actions(a.topology.coords(rank).pp)]
+        assert list(zip(ran["action"], ran["microbatch"], ran["chunk"])) == want, (where, "order of rank", rank)
+
     # The traced second step against the estimator (even routing: what the estimator assumes), exactly
     # in either precision.
     if not a.model.experts or a.model.moe_force_uniform:
@@ -295,7 +330,7 @@ def _check_layout(a: TrainConfig, b: TrainConfig, tmp_path, where: str) -> None:
 
 @pytest.mark.parametrize("seed", seeds_from_env("MLMKIT_RANDOM_LAYOUTS", "5"))
 def test_a_random_layout_trains_estimates_and_resumes_as_serial(seed, tmp_path):
-    a, b = draw(seed)
+    a, b = draw(seed, tmp_path)
     _check_layout(a, b, tmp_path, f"seed {seed}\n  A: {_describe(a)}\n  B: {_describe(b)}")
 
 
@@ -308,18 +343,23 @@ def test_a_random_layout_in_bf16_trains_estimates_and_resumes_as_serial(seed, tm
     # rounding noise on a near-zero gradient (a zero-initialised bias) flips a whole step of the update
     # and the parameters stop being a witness (seed 1028: fc2's bias 23x bf16's own error after 3 steps,
     # its first gradient within 0.2% of serial bf16's, the same layout in fp32 exact to 1e-7).
-    a, b = (c.replace(precision="bf16", eps=1e-3) for c in draw(seed))
+    a, b = (c.replace(precision="bf16", eps=1e-3) for c in draw(seed, tmp_path))
     _check_layout(a, b, tmp_path, f"seed {seed} (bf16)\n  A: {_describe(a)}\n  B: {_describe(b)}")
 
 
-def test_the_draws_cover_every_axis():
+def test_the_draws_cover_every_axis(tmp_path):
     # The sweep is only as good as what it draws: over the first 200 seeds (drawing only, no run),
-    # every schedule, ZeRO stage, recomputation and parallel axis appears, with and without experts.
+    # every schedule, ZeRO stage, recomputation and parallel axis appears, with and without experts,
+    # and schedule files of loops of one and more chunks and of Vs, with fused and split backwards.
     seen = set()
     for seed in range(200):
-        a, b = draw(seed)
+        a, b = draw(seed, tmp_path)
         for c in (a, b):
-            seen |= {("schedule", c.schedule), ("zero", c.zero), ("recompute", c.recompute),
+            if c.schedule_file:
+                order = c.pipeline_schedule()
+                seen |= {("file", c.placement, c.chunks > 1), ("file split backward", order.split_backward),
+                         ("file zero", c.zero), ("file recompute", c.recompute)}
+            seen |= {("schedule", "file" if c.schedule_file else c.schedule), ("zero", c.zero), ("recompute", c.recompute),
                      ("tp", c.tp > 1), ("pp", c.pp > 1), ("dp", c.dp > 1), ("cp", c.cp > 1), ("ep", c.ep > 1),
                      ("expert_tp", c.expert_tp > 1), ("sp", c.sequence_parallel), ("experts", c.model.experts > 0),
                      ("capacity", c.model.moe_capacity_factor is not None), ("batch_p2p", c.batch_p2p),
@@ -329,5 +369,8 @@ def test_the_draws_cover_every_axis():
             | {("zero", z) for z in range(4)} | {("recompute", r) for r in ("none", "selective", "full")}
             | {(axis, True) for axis in ("tp", "pp", "dp", "cp", "ep", "expert_tp", "sp", "experts", "capacity",
                                          "padded", "uneven stages")}
-            | {("batch_p2p", v) for v in (None, True, False)} | {("prefetch", 1)})
+            | {("batch_p2p", v) for v in (None, True, False)} | {("prefetch", 1)}
+            | {("schedule", "file"), ("file", "loop", False), ("file", "loop", True), ("file", "v", True)}
+            | {("file split backward", s) for s in (False, True)} | {("file zero", z) for z in range(4)}
+            | {("file recompute", r) for r in ("none", "selective", "full")})
     assert want <= seen, sorted(want - seen)

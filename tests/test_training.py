@@ -863,6 +863,87 @@ def test_a_schedule_flag_brings_its_chunks(tmp_path):
         build_config(_parse(["--schedule", "zb-v", "--chunks", "1"]))      # said outright: refused, as before
 
 
+def _write(path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+def test_a_schedule_file_is_read_checked_and_carried(tmp_path, monkeypatch):
+    # A schedule of one's own, in torch's CSV: read when the config is made, its path kept absolute
+    # (engines and torchrun ranks may start elsewhere), and the order read carried with the config,
+    # so a pickled config (what a cluster session sends its engines) runs the order that was checked.
+    import pickle
+
+    from mlmkit.pipeline import from_torch, to_torch_csv
+
+    named = BASE.replace(pp=2, schedule="zb-v", chunks=2)
+    monkeypatch.chdir(tmp_path)
+    to_torch_csv(named.pipeline_schedule(), "zbv.csv", format="compute_comms")
+    cfg = named.replace(schedule="zbv.csv")
+    assert cfg.schedule == str(tmp_path / "zbv.csv") and cfg.schedule_file and cfg.placement == "v"
+    got, want = cfg.pipeline_schedule(), named.pipeline_schedule()
+    assert [got.compute_actions(r) for r in range(2)] == [want.compute_actions(r) for r in range(2)]
+    assert TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    (tmp_path / "zbv.csv").unlink()
+    sent = pickle.loads(pickle.dumps(cfg))
+    assert sent.pipeline_schedule().compute_actions(1) == want.compute_actions(1)
+    # gpipe's order in a file on a loop of one chunk: the file's order, not a generator's
+    to_torch_csv(BASE.replace(pp=2, schedule="gpipe").pipeline_schedule(), "g.csv")
+    order = BASE.replace(pp=2, schedule="g.csv").pipeline_schedule()
+    assert order.compute_actions(0) == from_torch("g.csv").compute_actions(0)
+    assert [a.kind for a in order.compute_actions(0)] == ["F"] * 8 + ["B"] * 8
+
+
+@pytest.mark.parametrize("change,needle", [
+    (dict(chunks=1), r"runs 2 pipeline ranks with 2 chunk\(s\) each and 8 microbatches; this config has pp=2, "
+                     r"chunks=1 and 8 microbatches: set chunks=2, or write the schedule for this layout"),
+    (dict(global_batch_size=32), r"and 16 microbatches: set global_batch_size=16 \(microbatches = global_batch_size "
+                                 r"/ \(micro_batch_size x dp\) = global_batch_size / 2\)"),
+    (dict(pp=1, dp=2, global_batch_size=32), r"this config has pp=1, chunks=2 and 8 microbatches: set pp=2, or"),
+    (dict(microbatch_group=4), r"microbatch_group=4 groups the microbatches of the interleaved-1f1b generator; a "
+                               r"schedule file already has its order: drop microbatch_group"),
+    (dict(schedule="missing.csv"), r"schedule file .*missing.csv cannot be read: No such file or directory"),
+    (dict(schedule="folder.csv"), r"schedule file .*folder.csv cannot be read: Is a directory"),
+    (dict(schedule="words.csv"), r"schedule file .*words.csv: 'hello' is not an action of torch's pipeline "
+                                 r"notation"),
+    (dict(schedule="empty.csv"), r"schedule file .*empty.csv: the torch schedule has no compute action"),
+    (dict(schedule="twice.csv"), r"schedule file .*twice.csv: stage 0 appears on ranks 0 and 1"),
+    # rank 1 runs its backward before its forward
+    (dict(schedule="early.csv"), r"schedule file .*early.csv cannot run: rank 1"),
+    (dict(schedule="nothing"), r"unknown schedule 'nothing'; choose one of gpipe, 1f1b, .*, or give the path of "
+                               r"a CSV file in torch's pipeline format \(ending in .csv"),
+])
+def test_a_schedule_file_that_cannot_be_this_runs_is_named(change, needle, tmp_path, monkeypatch):
+    from mlmkit.pipeline import to_torch_csv
+
+    monkeypatch.chdir(tmp_path)
+    zbv = BASE.replace(pp=2, schedule="zb-v", chunks=2)
+    to_torch_csv(zbv.pipeline_schedule(), "zbv.csv")
+    (tmp_path / "folder.csv").mkdir()
+    _write(tmp_path / "words.csv", "0F0,hello\n")
+    _write(tmp_path / "empty.csv", "")
+    _write(tmp_path / "twice.csv", "0F0,0B0\n0F1,0B1\n")
+    _write(tmp_path / "early.csv", "0F0,0B0\n1B0,1F0\n")
+    cfg = zbv.replace(schedule="zbv.csv")
+    if "schedule" in change and change["schedule"] == "early.csv":
+        change = dict(change, chunks=1, global_batch_size=2)        # its one microbatch, one chunk
+    with pytest.raises(ValueError, match=needle):
+        cfg.replace(**change)
+
+
+def test_a_schedule_file_from_the_command_line_brings_its_chunks(tmp_path):
+    from mlmkit.pipeline import to_torch_csv
+    from mlmkit.train.__main__ import _parse, build_config
+
+    path = to_torch_csv(demo_config(schedule="zb-v", chunks=2).pipeline_schedule(), str(tmp_path / "v.csv"))
+    cfg = build_config(_parse(["--schedule", path]))
+    assert (cfg.schedule, cfg.chunks, cfg.placement) == (path, 2, "v")
+    with pytest.raises(ValueError, match=r"set chunks=2"):
+        build_config(_parse(["--schedule", path, "--chunks", "1"]))
+    with pytest.raises(ValueError, match=r"v.csv cannot be read: No such file"):
+        build_config(_parse(["--schedule", str(tmp_path / "none" / "v.csv")]))
+
+
 def test_top_1_routing_from_the_command_line(tmp_path):
     # `--experts 4 --top-k 1` was refused by GPTConfig with "set moe_renormalize=False", a field no
     # flag set: top-1 (Switch) routing needed a config file. --no-moe-renormalize sets it.

@@ -55,7 +55,7 @@ import weakref
 from typing import Optional
 
 from mlmkit.cluster.cluster import Cluster, RankError
-from mlmkit.pipeline import ScheduleCursor, make_schedule
+from mlmkit.pipeline import ScheduleCursor
 from mlmkit.pipeline.batching import BatchCursor, plan_batches
 from mlmkit.pipeline.cursor import unfinished_microbatches
 from mlmkit.scalars import plain_bool
@@ -75,14 +75,16 @@ class StateLost(RuntimeError):
 
 
 # ------------------------------------------------------------------------- engine-side functions
-def _build(state, sid, config_dict, source):
+def _build(state, sid, config, source):
     from mlmkit.train import TrainConfig
     from mlmkit.train.trainer import Trainer
 
     old = state.trainers.pop(sid, None)
     if old is not None:
         old.abandon_step()
-    cfg = TrainConfig.from_dict(config_dict)
+    # The driver's config object, pickled: it carries a schedule file's order as the driver read and
+    # checked it (an engine reading the file again could find it moved, changed or gone).
+    cfg = config if isinstance(config, TrainConfig) else TrainConfig.from_dict(config)
     trainer = Trainer(cfg, groups=state.groups)
     if source:
         from mlmkit.train.checkpoint import load_checkpoint
@@ -286,9 +288,7 @@ class Session:
         self.cluster, self.config = cluster, config
         self.id = uuid.uuid4().hex[:8]
         self.checkpoint_dir, self.save_every_step, self.keep_last_step = checkpoint_dir, save_every_step, keep_last_step
-        self.schedule = make_schedule(config.schedule, stages=config.pp, microbatches=config.microbatches,
-                                      chunks=config.chunks, layers=config.model.layers,
-                                      microbatch_group=config.microbatch_group)
+        self.schedule = config.pipeline_schedule()
         self._cursor = None
         self.closed = False
         self._claim_cluster()                 # before anything is made that a refusal would leave behind
@@ -393,7 +393,7 @@ class Session:
     def _build(self) -> None:
         """(Re)build the trainers on every rank from the newest saved state."""
         self._generation = self.cluster.generation
-        out = self.cluster.run(_build, self.id, self.config.to_dict(), self._source())
+        out = self.cluster.run(_build, self.id, self.config, self._source())
         self._generation = self.cluster.generation
         self.step_index = out[0]["step"]
         self.batch_p2p = out[0]["batch_p2p"]

@@ -39,7 +39,7 @@ from typing import Optional, Sequence
 
 from mlmkit.estimate.params import (check_estimate, local_parameters, moe_kept_by_expert, shard_unit_sizes,
                                     stage_layout)
-from mlmkit.pipeline.schedule import PLACEMENTS, V_SCHEDULES, stage_rank
+from mlmkit.pipeline.schedule import PLACEMENTS, stage_rank
 from mlmkit.model.config import GPTConfig
 from mlmkit.topology import Topology
 from mlmkit.trace.tracer import ring_wire_bytes
@@ -262,4 +262,4 @@ def estimate_train_comm(config):
                          sequence_parallel=config.sequence_parallel, zero=config.zero, recompute=config.recompute,
                          reshard_after_forward=config.reshard_after_forward,
                          bucket_bytes=config.bucket_bytes, precision=config.precision, grad_reduce=config.grad_reduce,
-                         placement="v" if config.schedule in V_SCHEDULES else "loop")
+                         placement=config.placement)

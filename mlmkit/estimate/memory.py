@@ -613,7 +613,8 @@ def estimate_train_memory(config, *, implementation: str = "mlmkit"):
     """:func:`estimate_memory` for a :class:`~mlmkit.train.TrainConfig`: its model, layout, schedule,
     microbatching, sequence parallelism, recomputation, ZeRO stage and precision, never another."""
     return estimate_memory(config.model, config.topology, micro_batch_size=config.micro_batch_size,
-                           microbatches=config.microbatches, schedule=config.schedule, chunks=config.chunks,
+                           microbatches=config.microbatches, chunks=config.chunks,
+                           schedule=config.pipeline_schedule() if config.schedule_file else config.schedule,
                            sequence_parallel=config.sequence_parallel, recompute=config.recompute,
                            zero=config.zero, precision=config.precision, implementation=implementation,
                            microbatch_group=config.microbatch_group, prefetch=config.prefetch,

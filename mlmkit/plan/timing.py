@@ -178,6 +178,11 @@ class Layout:
     @classmethod
     def of(cls, config) -> "Layout":
         """The layout of a :class:`~mlmkit.train.TrainConfig` (read by attribute)."""
+        if getattr(config, "schedule_file", False):
+            raise ValueError(f"Layout.of: the config's schedule is a file ({config.schedule}); the planner times the "
+                             f"named schedules ({', '.join(SCHEDULES)}). Simulate the file's order with "
+                             f"mlmkit.pipeline.simulate(config.pipeline_schedule(), costs), or plan with the named "
+                             f"schedule nearest to it")
         return cls(tp=config.tp, cp=config.cp, pp=config.pp, dp=config.dp, ep=config.ep, chunks=config.chunks,
                    schedule=config.schedule, micro_batch_size=config.micro_batch_size,
                    recompute=config.recompute, zero=config.zero, sequence_parallel=config.sequence_parallel)

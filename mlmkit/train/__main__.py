@@ -10,6 +10,7 @@ show them.
 from __future__ import annotations
 
 import argparse
+import csv
 import faulthandler
 import json
 import os
@@ -17,7 +18,7 @@ import sys
 
 from mlmkit.model.config import top_1_refusal
 from mlmkit.pipeline.schedule import SCHEDULES, V_SCHEDULES
-from mlmkit.train.config import TrainConfig, check_corpus, demo_config
+from mlmkit.train.config import TrainConfig, check_corpus, demo_config, is_schedule_file
 
 
 def _parse(argv):
@@ -29,8 +30,9 @@ def _parse(argv):
         p.add_argument(f"--{name}", type=int)
     for name in ("lr", "min-lr", "grad-clip", "weight-decay"):
         p.add_argument(f"--{name}", type=float)
-    p.add_argument("--schedule", help="gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v or dualpipev; without --chunks, the "
-                                      "chunks it runs (2 for zb-v, dualpipev and interleaved-1f1b, else 1)")
+    p.add_argument("--schedule", help="gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v or dualpipev, or a CSV file in torch's "
+                                      "pipeline format (mlmkit.pipeline.to_torch_csv writes one); without --chunks, the "
+                                      "chunks it runs (2 for zb-v, dualpipev and interleaved-1f1b, the file's, else 1)")
     p.add_argument("--cp-split", choices=["balanced", "naive"],
                    help="how --cp divides each sequence: balanced (2cp chunks, Megatron-LM's) or naive")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3],
@@ -99,6 +101,8 @@ def build_config(args) -> TrainConfig:
             overrides["chunks"] = cfg.chunks if cfg.chunks > 1 else 2
         elif args.schedule in SCHEDULES:
             overrides["chunks"] = 1
+        elif is_schedule_file(args.schedule) and _file_chunks(args.schedule) is not None:
+            overrides["chunks"] = _file_chunks(args.schedule)
     model = {}
     if args.arch is not None:
         model.update(ARCHITECTURES[args.arch])
@@ -121,6 +125,16 @@ def build_config(args) -> TrainConfig:
         raise ValueError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to a mixture of experts, and "
                          f"this model has none: add --experts N")
     return cfg
+
+
+def _file_chunks(path: str):
+    """The chunks per rank of a schedule file, or None when it cannot be read (the config then names why)."""
+    from mlmkit.pipeline import from_torch
+
+    try:
+        return from_torch(path).chunks
+    except (OSError, ValueError, csv.Error):
+        return None
 
 
 #: The mixture-of-experts flags, ``--experts`` first.

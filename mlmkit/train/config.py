@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import numbers
 import os
@@ -9,11 +10,11 @@ from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 from mlmkit.model.config import GPTConfig, check_keys
-from mlmkit.pipeline.schedule import MAX_MICROBATCHES, SCHEDULES, make_schedule
+from mlmkit.pipeline.schedule import MAX_MICROBATCHES, SCHEDULES, V_SCHEDULES, Schedule, ScheduleError, make_schedule
 from mlmkit.scalars import plain_bool
 from mlmkit.topology import Topology
 
-__all__ = ["TOKENIZER_VOCAB", "TrainConfig", "check_corpus", "demo_config"]
+__all__ = ["TOKENIZER_VOCAB", "TrainConfig", "check_corpus", "demo_config", "is_schedule_file"]
 
 #: Vocabulary of the byte tokenizer the trainer uses (:class:`mlmkit.train.data.ByteTokenizer`).
 TOKENIZER_VOCAB = 256
@@ -68,7 +69,12 @@ class TrainConfig:
     comparison)."""
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v or dualpipev (with pp=1 it is
-    gradient accumulation)."""
+    gradient accumulation), or a schedule of one's own: the path of a CSV file in PyTorch's pipeline
+    format (``0F0,0F1,0I0,0W0,...``, one line per rank; either of torch's formats), such as
+    :func:`mlmkit.pipeline.to_torch_csv` writes. The file is read and checked when the config is made
+    (it must run ``pp`` ranks, ``chunks`` chunks per rank in a loop or a V, and this config's
+    microbatches) and its path kept absolute; the config carries the schedule read, so engines
+    and resumed sessions run the order that was checked. See :meth:`pipeline_schedule`."""
     chunks: int = 1
     """Model chunks per pipeline rank (interleaved-1f1b: 2 or more; zb-v and dualpipev: 2, in a V)."""
     microbatch_group: Optional[int] = None
@@ -226,16 +232,86 @@ class TrainConfig:
                 f"{MAX_MICROBATCHES} a step's schedule is planned for (action by action: about 2.5 kB per "
                 f"microbatch and stage, built before the first step); raise micro_batch_size or dp, or lower "
                 f"global_batch_size")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        if isinstance(self.schedule, os.PathLike):       # a pathlib.Path: the str it names (the JSON of to_dict)
+            object.__setattr__(self, "schedule", os.fspath(self.schedule))
+        if not isinstance(self.schedule, str) or (self.schedule not in SCHEDULES and not is_schedule_file(self.schedule)):
+            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}, or give "
+                             f"the path of a CSV file in torch's pipeline format (ending in .csv; "
+                             f"mlmkit.pipeline.to_torch_csv writes one)")
         if self.cp_split not in ("balanced", "naive"):
             raise ValueError(f"TrainConfig: cp_split={self.cp_split!r} must be 'balanced' or 'naive'")
         self.model.check_parallel(tp=self.tp, pp=self.pp, chunks=self.chunks, cp=self.cp, cp_split=self.cp_split,
                                   sequence_parallel=self.sequence_parallel, ep=self.ep, expert_tp=self.expert_tp)
-        make_schedule(self.schedule, stages=topo.pp, microbatches=self.microbatches, chunks=self.chunks,
-                      layers=self.model.layers, microbatch_group=self.microbatch_group)
+        if is_schedule_file(self.schedule):
+            object.__setattr__(self, "schedule", os.path.abspath(self.schedule))   # the engines' folder may differ
+            object.__setattr__(self, "_schedule_read", self._read_schedule_file())
+        else:
+            make_schedule(self.schedule, stages=topo.pp, microbatches=self.microbatches, chunks=self.chunks,
+                          layers=self.model.layers, microbatch_group=self.microbatch_group)
         if not 0 < self.lr or not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"TrainConfig: need 0 < lr and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
+
+    def _read_schedule_file(self) -> Schedule:
+        """The schedule of the CSV file ``self.schedule``, checked to be this run's and to run on either
+        communication path the config may take; ValueError naming the file and the fix otherwise."""
+        from mlmkit.pipeline import from_torch, validate
+
+        path = self.schedule
+        where = f"TrainConfig: schedule file {path}"
+        if self.microbatch_group is not None:
+            raise ValueError(f"TrainConfig: microbatch_group={self.microbatch_group} groups the microbatches of the "
+                             f"interleaved-1f1b generator; a schedule file already has its order: drop microbatch_group")
+        try:
+            sched = from_torch(path, name=os.path.basename(path))
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"{where} cannot be read: {err.strerror if isinstance(err, OSError) else err}") from None
+        except (ScheduleError, csv.Error) as err:
+            raise ValueError(f"{where}: {err}") from None
+        got = dict(pp=sched.stages, chunks=sched.chunks, microbatches=sched.microbatches)
+        want = dict(pp=self.pp, chunks=self.chunks, microbatches=self.microbatches)
+        if got != want:
+            fixes = []
+            if got["pp"] != want["pp"]:
+                fixes.append(f"pp={got['pp']}")
+            if got["chunks"] != want["chunks"]:
+                fixes.append(f"chunks={got['chunks']}")
+            if got["microbatches"] != want["microbatches"]:
+                per = self.micro_batch_size * self.dp
+                fixes.append(f"global_batch_size={got['microbatches'] * per} (microbatches = global_batch_size / "
+                             f"(micro_batch_size x dp) = global_batch_size / {per})")
+            raise ValueError(f"{where} runs {got['pp']} pipeline ranks with {got['chunks']} chunk(s) each and "
+                             f"{got['microbatches']} microbatches; this config has pp={self.pp}, chunks={self.chunks} "
+                             f"and {self.microbatches} microbatches: set {', '.join(fixes)}, or write the schedule "
+                             f"for this layout")
+        try:
+            # batched: what batch_p2p=True (NCCL's default) posts, checked unless the config turns it off.
+            # NCCL's unbatched path (batch_p2p=False on NCCL: messages matched in send order, no tags) is
+            # checked by the executor, which knows the backend; gloo's tags match any order.
+            validate(sched, batched=self.batch_p2p is not False)
+        except ScheduleError as err:
+            raise ValueError(f"{where} cannot run: {err}") from None
+        return sched
+
+    def pipeline_schedule(self) -> Schedule:
+        """The schedule a step runs: the named generator's for these stages, microbatches and chunks,
+        or the file's, as read and checked when the config was made."""
+        read = self.__dict__.get("_schedule_read")
+        if read is not None:
+            return read
+        return make_schedule(self.schedule, stages=self.pp, microbatches=self.microbatches, chunks=self.chunks,
+                             layers=self.model.layers, microbatch_group=self.microbatch_group)
+
+    @property
+    def schedule_file(self) -> bool:
+        """True when the schedule is read from a CSV file (:attr:`schedule` is its path)."""
+        return is_schedule_file(self.schedule)
+
+    @property
+    def placement(self) -> str:
+        """How the model chunks sit on the pipeline ranks: ``"loop"`` or ``"v"`` (zb-v, dualpipev, a V file)."""
+        if self.schedule_file:
+            return self.pipeline_schedule().placement
+        return "v" if self.schedule in V_SCHEDULES else "loop"
 
     @property
     def topology(self) -> Topology:
@@ -292,6 +368,11 @@ class TrainConfig:
     def save(self, path: str) -> None:
         with open(path, "w") as f:
             json.dump(self.to_dict(), f, indent=2)
+
+
+def is_schedule_file(schedule: str) -> bool:
+    """Whether a config's ``schedule`` names a CSV file of torch's pipeline format, not a generator."""
+    return isinstance(schedule, str) and schedule not in SCHEDULES and schedule.lower().endswith(".csv")
 
 
 def check_corpus(path: Optional[str], *, seq_len: int) -> None:

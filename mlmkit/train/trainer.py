@@ -27,7 +27,6 @@ import torch.distributed as dist
 from mlmkit.data_parallel import Zero3Hooks, attach_main_grads, dtype_of, make_optimizer, shard_units
 from mlmkit.distributed import ProcessGroups
 from mlmkit.model.gpt import moe_layers
-from mlmkit.pipeline import make_schedule
 from mlmkit.pipeline.executor import PipelineExecutor, build_model_chunks
 from mlmkit.train.config import TrainConfig
 from mlmkit.train.data import TextData
@@ -62,9 +61,7 @@ class Trainer:
         self.tracer = tracer if tracer is not None else Tracer(rank=groups.rank, enabled=config.tracing)
         self.claim_groups()
         torch.manual_seed(config.seed)
-        self.schedule = make_schedule(config.schedule, stages=config.pp, microbatches=config.microbatches,
-                                      chunks=config.chunks, layers=config.model.layers,
-                                      microbatch_group=config.microbatch_group)
+        self.schedule = config.pipeline_schedule()     # a generator's, or a file's as read and checked
         self.chunks = build_model_chunks(config.model, groups=groups, chunks=config.chunks,
                                          sequence_parallel=config.sequence_parallel, recompute=config.recompute,
                                          dtype=dtype_of(config.precision), split_backward=self.schedule.split_backward,

@@ -181,6 +181,45 @@ timeline_comparison(*timelines["zb-v"], title="ZB-V on 2 ranks: simulated (calib
 # time. With more ranks than cores the idle time is not idle (another rank computes), so it gains
 # little: `simulate(..., cores=2)` models exactly that (see `benchmarks/RESULTS.md`).
 
+# %% [markdown]
+# ## A schedule of your own, trained for real (and handed to PyTorch)
+# A schedule is a table of actions, so you can write one the generators do not make. Here: every
+# rank runs 1F1B with its backwards split into I and W, and leaves **all** its W's to the end of the
+# step (the weight gradients wait; the previous stage gets its input gradients early). Exported as
+# PyTorch's pipeline CSV (`to_torch_csv`, the format `torch.distributed.pipelining` loads), the same
+# file is a `TrainConfig`'s `schedule`: the session checks it (ranks, chunks, microbatches, that it
+# can run) and trains with it, with every other option of the config.
+
+# %%
+import os, tempfile
+from mlmkit.pipeline import to_torch_csv
+m = config.microbatches
+def late_w(rank):
+    order = 1 - rank                   # forwards before the first backward: 2 on rank 0, 1 on rank 1
+    acts = [("F", k) for k in range(order + 1)]
+    for k in range(m):
+        acts.append(("I", k))
+        if k + order + 1 < m:
+            acts.append(("F", k + order + 1))
+    return acts + [("W", k) for k in range(m)]
+mine = schedule_from_table([{"rank": r, "kind": kind, "microbatch": k} for r in range(2) for kind, k in late_w(r)],
+                           name="1f1b-late-w", add_communication=True)
+validate(mine)
+path = to_torch_csv(mine, os.path.join(tempfile.mkdtemp(), "late_w.csv"))
+print(open(path).read())
+
+# %%
+own = cluster.session(config.replace(schedule=path))
+plain = cluster.session(config)              # 1F1B from step 0, for the same batch
+loss_own, loss_plain = own.step()["loss"], plain.step()["loss"]
+print(f"loss with the file's schedule {loss_own:.6f}, with 1F1B {loss_plain:.6f}")
+assert abs(loss_own - loss_plain) < 1e-5 and own.schedule.split_backward
+own.close(); plain.close()
+
+# %% [markdown]
+# The same file runs in PyTorch's runtime (`_PipelineScheduleRuntime._load_csv(path)`), and
+# `python -m mlmkit.train --schedule late_w.csv --pp 2 ...` trains with it as a batch job.
+
 # %%
 cluster.shutdown()
 
