@@ -1119,3 +1119,24 @@ def test_torchrun_command_from_readme(tmp_path):
     assert len(df) == 20
     assert df.loss.iloc[-3:].mean() < df.loss.iloc[:3].mean() - 0.5
     assert (tmp_path / "ckpt" / "latest").read_text() == "step_000020"
+
+
+def test_a_batch_job_trains_with_a_schedule_file(tmp_path):
+    # `--schedule zbh1.csv` (relative: the ranks' folder) under torchrun: the file's order, zb-h1's
+    # exported, trains as `--schedule zb-h1` does, step for step.
+    import pandas as pd
+
+    from mlmkit.pipeline import to_torch_csv
+
+    to_torch_csv(demo_config(tp=1, pp=2, schedule="zb-h1").pipeline_schedule(), str(tmp_path / "zbh1.csv"))
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    losses = {}
+    for schedule in ("zbh1.csv", "zb-h1"):
+        metrics = tmp_path / f"{schedule}.metrics"
+        cmd = [torchrun, "--nproc-per-node", "2", "-m", "mlmkit.train", "--tp", "1", "--pp", "2", "--steps", "3",
+               "--schedule", schedule, "--metrics-out", str(metrics)]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+        assert out.returncode == 0, out.stderr[-3000:]
+        losses[schedule] = list(pd.read_csv(metrics).loss)
+    assert len(losses["zb-h1"]) == 3
+    assert losses["zbh1.csv"] == pytest.approx(losses["zb-h1"], rel=1e-6, abs=0), losses
