@@ -2,8 +2,9 @@
 torch's ``_PipelineScheduleRuntime`` with PipelineStage modules built from mlmkit's GPT stages, and
 torch's own schedules executed by mlmkit, all against the serial model."""
 
-from dataclasses import replace
+import os
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -186,7 +187,7 @@ TORCH_CLASSES = [("ScheduleInterleaved1F1B", 8), ("ScheduleLoopedBFS", 8), ("Sch
                  ("ScheduleZBVZeroBubble", 8), ("ScheduleDualPipeV", 8)]
 
 
-def _run_torch_class(rank, world_size, cls_name, m):
+def _run_torch_class(rank, world_size, cls_name, m, directory):
     import torch.distributed.pipelining.schedules as S
     from torch.distributed.pipelining import PipelineStage
 
@@ -197,6 +198,8 @@ def _run_torch_class(rank, world_size, cls_name, m):
               for mod, i in zip(probe, indices)]
     torch_schedule = getattr(S, cls_name)(stages, m, loss_fn=lambda out, tgt: out.sum())
     sched = validate(from_torch(torch_schedule, name=cls_name), batched=True)
+    if rank == 0:             # torch's own CSV of it (DualPipeV's overlapped pairs as "(0F3;3B1)OVERLAP_F_B")
+        torch_schedule._dump_csv(os.path.join(directory, f"{cls_name}.csv"))
     models = build_model_chunks(CFG, groups=groups, chunks=2, placement=sched.placement,
                                 split_backward=sched.split_backward)
     loss = PipelineExecutor(schedule=sched, chunks=models, groups=groups).run_step(*_data(m))
@@ -211,8 +214,8 @@ def _stage(index, total):
 
 
 @pytest.mark.parametrize("cls_name,m", TORCH_CLASSES)
-def test_torch_schedules_run_in_mlmkit(cls_name, m):
-    results = run_ranks(_run_torch_class, world_size=2, args=(cls_name, m), timeout_s=120)
+def test_torch_schedules_run_in_mlmkit(cls_name, m, tmp_path):
+    results = run_ranks(_run_torch_class, world_size=2, args=(cls_name, m, str(tmp_path)), timeout_s=120)
     ref_loss, ref_grads = _serial(m)
     losses = [r["loss"] for r in results if r["loss"] is not None]
     assert len(losses) == 1 and abs(losses[0] - ref_loss) <= TOL
@@ -224,6 +227,9 @@ def test_torch_schedules_run_in_mlmkit(cls_name, m):
     sched = results[0]["schedule"]
     assert sched.chunks == 2 and sched.placement == ("v" if "V" in cls_name else "loop")
     simulate(sched, {"forward": 1.0, "backward": 1.0, "weight": 1.0})     # and it simulates
+    # torch's _dump_csv of the same schedule reads back as the same order (a file a TrainConfig takes)
+    dumped = from_torch(str(tmp_path / f"{cls_name}.csv"))
+    assert [dumped.compute_actions(r) for r in range(2)] == [sched.compute_actions(r) for r in range(2)]
 
 
 def test_from_torch_refuses_what_it_cannot_place(tmp_path):
@@ -233,6 +239,12 @@ def test_from_torch_refuses_what_it_cannot_place(tmp_path):
         from_torch(str(path))
     path.write_text("0F0,0Q1\n")
     with pytest.raises(ValueError, match="'0Q1' is not an action of torch's pipeline notation"):
+        from_torch(str(path))
+    path.write_text("0F0,()OVERLAP_F_B,0B0\n")
+    with pytest.raises(ValueError, match=r"'\(\)OVERLAP_F_B' holds no action between its parentheses"):
+        from_torch(str(path))
+    path.write_text("0F0,(0F1;0Q0)OVERLAP_F_B\n")
+    with pytest.raises(ValueError, match="'0Q0' is not an action of torch's pipeline notation"):
         from_torch(str(path))
 
 

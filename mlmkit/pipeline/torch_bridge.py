@@ -14,7 +14,8 @@ tags; see :func:`torch_rows`), and each stage's ``{stage}REDUCE_GRAD`` after its
 or W), where torch's own lowering puts it: that action scales the gradients by 1/m, so a
 ``compute_comms`` file without it gives gradients m times too large in torch's runtime.
 
-Read back (:func:`from_torch`), torch's overlapped ``OVERLAP_F_B`` actions (DualPipeV) become their
+Read back (:func:`from_torch`, from an instance or from a CSV file, torch's ``_dump_csv`` included),
+torch's overlapped ``OVERLAP_F_B`` actions (DualPipeV; ``(0F3;3B1)OVERLAP_F_B`` in a file) become their
 forward and backward one after the other; its FSDP and gradient-reduction bookkeeping
 (``UNSHARD``, ``RESHARD``, ``REDUCE_GRAD``) is dropped, and the messages are inserted as mlmkit's
 generators insert them.
@@ -119,11 +120,27 @@ def _parse(text: str) -> Optional[tuple[int, str, Optional[int]]]:
     return int(m.group(1)), m.group(2), int(m.group(3)) if m.group(3) else None
 
 
+_OVERLAP = re.compile(r"^\((.*)\)\s*([A-Z_]+)$")
+
+
+def _sub_actions(cell: str) -> list[str]:
+    """A CSV cell's actions: ``(0F3;3B1)OVERLAP_F_B`` (torch's ``_dump_csv`` of DualPipeV, an overlapped
+    forward and backward) is its sub-actions in their order; any other cell is itself."""
+    m = _OVERLAP.match(cell.strip())
+    if m is None:
+        return [cell]
+    subs = [sub for sub in m.group(1).split(";") if sub.strip()]
+    if not subs:
+        raise ScheduleError(f"{cell.strip()!r} holds no action between its parentheses (torch writes an "
+                            f"overlapped pair as '(0F3;3B1)OVERLAP_F_B')")
+    return subs
+
+
 def _torch_order(source) -> list[list[str]]:
     """Per rank, the compute actions of a CSV file or of a torch schedule's ``pipeline_order``."""
     if isinstance(source, (str, os.PathLike)):
         with open(source, newline="") as f:
-            return [[cell for cell in row if cell.strip()] for row in csv.reader(f)]
+            return [[sub for cell in row if cell.strip() for sub in _sub_actions(cell)] for row in csv.reader(f)]
     order = getattr(source, "pipeline_order", None)
     if order is None:
         raise ScheduleError(f"{type(source).__name__} has no pipeline_order: pass a CSV file or a torch "
