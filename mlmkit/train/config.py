@@ -252,8 +252,9 @@ class TrainConfig:
             raise ValueError(f"TrainConfig: need 0 < lr and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
 
     def _read_schedule_file(self) -> Schedule:
-        """The schedule of the CSV file ``self.schedule``, checked to be this run's and to run on either
-        communication path the config may take; ValueError naming the file and the fix otherwise."""
+        """The schedule of the CSV file ``self.schedule``, checked to be this run's (pp, chunks,
+        microbatches) and to run, batched too unless ``batch_p2p=False``; ValueError naming the file and
+        the fix otherwise."""
         from mlmkit.pipeline import from_torch, validate
 
         path = self.schedule
