@@ -252,7 +252,8 @@ def _mutate(rows: list, rng) -> list:
     """``rows`` (torch's cells per rank) with one to two random edits of the kinds a hand edit or a
     truncated file makes: a cell dropped, doubled, moved (within its rank or to another), renumbered
     (stage or microbatch, in range and out), given another kind, garbled or stripped of its
-    microbatch; a rank emptied, dropped or doubled."""
+    microbatch; two cells joined into an overlapped pair as torch's DualPipeV writes it
+    (``(0F3;3B1)OVERLAP_F_B``), well or badly formed; a rank emptied, dropped or doubled."""
     import re
 
     rows = [list(r) for r in rows]
@@ -260,7 +261,7 @@ def _mutate(rows: list, rng) -> list:
         r = rng.randrange(len(rows))
         row = rows[r]
         op = rng.choice(["drop", "dup", "swap", "move", "mb", "stage", "kind", "garbage", "no_mb", "empty_rank",
-                         "drop_rank", "dup_rank"])
+                         "drop_rank", "dup_rank", "overlap", "bad_overlap"])
         if not row:
             continue
         i = rng.randrange(len(row))
@@ -284,6 +285,11 @@ def _mutate(rows: list, rng) -> list:
             row[i] = rng.choice(["", " ", "abc", "F0", "0F-1", "0f0", "0F1.5", "1e3F0", " 0F0 "])
         elif op == "no_mb":
             row[i] = re.sub(r"\d+$", "", row[i])
+        elif op == "overlap" and i + 1 < len(row):
+            row[i:i + 2] = [f"({row[i]};{row[i + 1]})OVERLAP_F_B"]
+        elif op == "bad_overlap":
+            row[i] = rng.choice(["()OVERLAP_F_B", "(;)OVERLAP_F_B", f"({row[i]}", f"({row[i]})", f"({row[i]};0Q0)X",
+                                 f"(({row[i]}))OVERLAP_F_B", f"({row[i]};;)OVERLAP_F_B"])
         elif op == "empty_rank":
             rows[r] = []
         elif op == "drop_rank":
@@ -330,6 +336,16 @@ def test_an_edited_csv_loads_as_a_valid_schedule_or_is_refused_by_name(fmt, tmp_
     for bad in (0, 2.5, "4", True):
         with pytest.raises(ScheduleError, match=f"microbatches={bad!r} must be an integer >= 1"):
             from_torch(path, microbatches=bad)
+    # Every adjacent pair of compute cells joined into an overlapped pair reads back as the same order.
+    for name, p, m, v in gens:
+        sched = make_schedule(name, stages=p, microbatches=m, chunks=v)
+        rows = torch_rows(sched, format=fmt)
+        joined = [[f"({a};{b})OVERLAP_F_B" for a, b in zip(row[::2], row[1::2])] + row[len(row) // 2 * 2:]
+                  for row in rows]
+        with open(path, "w", newline="") as f:
+            csv.writer(f).writerows(joined)
+        assert [a for r in range(p) for a in from_torch(path).compute_actions(r)] == \
+            [a for r in range(p) for a in sched.compute_actions(r)], name
 
 
 def test_bad_exports_name_the_fix_and_leave_the_file_alone(tmp_path):
