@@ -97,6 +97,23 @@ except ScheduleError as err:
     print(err)
 
 # %% [markdown]
+# A schedule file (PyTorch's pipeline CSV, a `TrainConfig`'s `schedule`) is read and checked when the
+# config is made: here a file written for 4 microbatches, given to a config that makes 8. The message
+# names the fix; no process has started.
+
+# %%
+import os, tempfile
+from mlmkit.pipeline import to_torch_csv
+from mlmkit.train import demo_config
+path = to_torch_csv(make_schedule("zb-h1", stages=2, microbatches=4), os.path.join(tempfile.mkdtemp(), "zbh1.csv"))
+try:
+    demo_config(tp=1, pp=2, global_batch_size=32, schedule=path)
+    raise AssertionError("a file of 4 microbatches was taken for 8")
+except ValueError as err:
+    print(err)
+    assert "set global_batch_size=16" in str(err)
+
+# %% [markdown]
 # Fewer microbatches than stages is allowed for 1F1B (as in Megatron-LM), with a note about the
 # bubble; interleaving refuses it.
 
