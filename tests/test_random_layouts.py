@@ -4,11 +4,13 @@ hand-picked parity tests (which each hold a few axes together on purpose).
 Each seed draws a model (2 to 8 layers, so pipeline stages are uneven where pp x chunks does not divide
 them; GPT-2 or Llama blocks, grouped- or multi-query attention, untied or padded
 vocabularies, unfused SwiGLU, RoPE, mixtures of experts with their auxiliary losses, shared expert,
-Switch routing, a capacity) and a layout (tp, pp with every schedule and chunk count, dp, cp with
+Switch routing, a capacity) and a layout (tp, pp with every schedule and chunk count or, one pipelined
+layout in four, a random valid order read from a schedule file, dp, cp with
 both splits, ep and expert tp, sequence parallelism, both recomputations, ZeRO 0-3 with prefetch,
 kept parameters and small buckets, both point-to-point paths, both loss normalisations, 1 to 8
 microbatches per rank), retrying until the draw is a valid config. One run per seed then checks:
 
+- that every rank ran its schedule's compute actions in their order;
 - the losses and gradient norms of 3 steps, the first step's gradients (ZeRO 0-1) and the
   parameters after 3 steps against the serial trainer's (fp32 tolerance);
 - the memory of every kind and the bytes on every axis of the traced second step against the
@@ -303,7 +305,8 @@ def _check_layout(a: TrainConfig, b: TrainConfig, tmp_path, where: str) -> None:
     assert ok, (where, "parameters", why)
 
     # Every rank ran its schedule's compute actions in their order (a schedule file's, not a generator's).
-    events = merge_traces([r["traces"] for r in got])["events"]
+    traces = merge_traces([r["traces"] for r in got])
+    events = traces["events"]
     order = a.pipeline_schedule()
     for rank in range(a.world_size):
         ran = events[(events["rank"] == rank) & events["action"].isin(list("FBIW"))].sort_values("start")
@@ -313,7 +316,6 @@ def _check_layout(a: TrainConfig, b: TrainConfig, tmp_path, where: str) -> None:
     # The traced second step against the estimator (even routing: what the estimator assumes), exactly
     # in either precision.
     if not a.model.experts or a.model.moe_force_uniform:
-        traces = merge_traces([r["traces"] for r in got])
         memory = compare_memory(traces["memory"], estimate_train_memory(a))
         assert (memory.measured == memory.estimated).all(), (where, memory[memory.measured != memory.estimated])
         comm = compare_comm(traces["comm"], estimate_train_comm(a))

@@ -76,16 +76,14 @@ class StateLost(RuntimeError):
 
 # ------------------------------------------------------------------------- engine-side functions
 def _build(state, sid, config, source):
-    from mlmkit.train import TrainConfig
+    # ``config``: the driver's TrainConfig, pickled. It carries a schedule file's order as the driver
+    # read and checked it (an engine reading the file again could find it moved, changed or gone).
     from mlmkit.train.trainer import Trainer
 
     old = state.trainers.pop(sid, None)
     if old is not None:
         old.abandon_step()
-    # The driver's config object, pickled: it carries a schedule file's order as the driver read and
-    # checked it (an engine reading the file again could find it moved, changed or gone).
-    cfg = config if isinstance(config, TrainConfig) else TrainConfig.from_dict(config)
-    trainer = Trainer(cfg, groups=state.groups)
+    trainer = Trainer(config, groups=state.groups)
     if source:
         from mlmkit.train.checkpoint import load_checkpoint
 

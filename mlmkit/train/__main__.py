@@ -101,8 +101,10 @@ def build_config(args) -> TrainConfig:
             overrides["chunks"] = cfg.chunks if cfg.chunks > 1 else 2
         elif args.schedule in SCHEDULES:
             overrides["chunks"] = 1
-        elif is_schedule_file(args.schedule) and _file_chunks(args.schedule) is not None:
-            overrides["chunks"] = _file_chunks(args.schedule)
+        elif is_schedule_file(args.schedule):
+            chunks = _file_chunks(args.schedule)
+            if chunks is not None:
+                overrides["chunks"] = chunks
     model = {}
     if args.arch is not None:
         model.update(ARCHITECTURES[args.arch])
